@@ -1,0 +1,544 @@
+"""The resumable machine that runs programs.
+
+State of a run (all plain data, so a half-run driver pickles and copies):
+
+- ``_stack``: frames, outermost first.  A frame is a list whose first item is
+  the element; the rest is that element's counters (see the layouts below).
+  A frame of length 1 is *unstarted* for a container and *ready* for a leaf.
+- ``_carry``: a value in transit from a finished child to the frame on top of
+  the stack (``_NOVALUE`` when none).
+- WEAVE frames hold the paused frames of their inactive children as
+  *segments*; the active child's frames sit on the main stack above the WEAVE.
+
+One step runs the leaf on top of the stack and then *settles*: finished
+frames hand their values up, enclosing WEAVEs take their turn, and the
+driver descends to the next leaf.  Every move is atomic, so an exception
+anywhere leaves a state from which the same move is retried.  A move that
+fails right after a successful leaf is retried (and raises) at the start of
+the next step, so that a step either runs one leaf or raises without running
+one.
+
+Frame layouts (index 0 is always the element):
+    SEQ     [el, pos]
+    REPEAT  [el, i, n, last]
+    BUFFER  [el, i, n, values]
+    LOOP    [el, steps_at_iteration_start, iterations]
+    WHILE   [el, phase (0: condition, 1: body), last, iterations]
+    SWITCH  [el, child_index]
+    WEAVE   [el, active, segments, finished, values, credits, n_finished, rotate_due]
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from typing import Any
+
+from . import analysis
+from .compile import leaf_function
+from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from .errors import FlowError, RegisterError, SwitchError
+from .paths import format_path, walk
+from .registers import Register, Registers
+
+
+class _Sentinel:
+    """A named singleton that survives pickling as itself."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+    def __reduce__(self):
+        return self._name
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+INCOMPLETE = _Sentinel("INCOMPLETE")
+_NOVALUE = _Sentinel("_NOVALUE")
+_PUSHED = _Sentinel("_PUSHED")
+
+# WEAVE frame slots
+_W_ACTIVE, _W_SEGS, _W_FINISHED, _W_VALUES, _W_CREDITS, _W_NDONE, _W_ROTATE = range(1, 8)
+
+
+class Driver:
+    """Runs a program step by step; a half-run driver pickles and resumes anywhere.
+
+    >>> from flowvm import CALL, REPEAT, Registers
+    >>> reg = Registers(total=0)
+    >>> prog = REPEAT(3, CALL(lambda t: t + 1, reg('total'), store_to=reg('total')))
+    >>> drv = prog.start()
+    >>> drv.step(), drv.steps, reg['total']
+    (INCOMPLETE, 1, 1)
+    >>> drv.run(), drv.steps, drv.done
+    (3, 3, True)
+    """
+
+    def __init__(self, program: Element):
+        if not isinstance(program, Element):
+            raise TypeError(f"a program must be a flowvm element, got {type(program).__name__}")
+        from .verify import program_registers, verify
+
+        self.registers: Registers = program_registers(program)
+        verify(program, self.registers)
+        self.program = program
+        self.steps = 0
+        self.done = False
+        self.result: Any = None
+        self._stack: list[list] = [[program]]
+        self._carry: Any = _NOVALUE
+        self._ready = False
+        self._rotate = False
+        self._weave = any(isinstance(el, WEAVE) for _, el in walk(program))
+
+    # ------------------------------------------------------------------ public
+    def step(self) -> Any:
+        """Run one leaf action; return INCOMPLETE, or the program's value once it is finished."""
+        if self.done:
+            return self.result
+        if not self._ready:
+            self._settle()
+            if self.done:
+                return self.result
+        stack = self._stack
+        el = stack[-1][0]
+        if not self._weave and len(stack) > 1:
+            parent = stack[-2]
+            if type(parent[0]) is REPEAT and parent[1] + 1 < parent[2]:
+                # Fast path: a leaf repeated by its parent stays on the stack.
+                try:
+                    value = leaf_function(el, self.registers)()
+                except Exception as err:
+                    self._annotate(err, "running")
+                    raise
+                self.steps += 1
+                i = parent[1] = parent[1] + 1
+                parent[3] = value
+                counter = parent[0].counter
+                if counter is not None:
+                    self.registers[counter.name] = i
+                return INCOMPLETE
+        try:
+            value = leaf_function(el, self.registers)()
+        except Exception as err:
+            self._annotate(err, "running")
+            raise
+        self._after_leaf(value)
+        return self.result if self.done else INCOMPLETE
+
+    def run(self, max_steps: int | None = None) -> Any:
+        """Run until the program finishes or max_steps more steps were taken.
+
+        Returns the program's value when finished, else INCOMPLETE.
+        """
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral)
+                                      or max_steps < 0):
+            raise ValueError(f"max_steps must be None or an int >= 0, got {max_steps!r}")
+        limit = float("inf") if max_steps is None else self.steps + max_steps
+        stack = self._stack
+        regs = self.registers
+        while not self.done:
+            if not self._ready:
+                self._settle()
+                if self.done:
+                    break
+            if self.steps >= limit:
+                return INCOMPLETE
+            el = stack[-1][0]
+            leaf = leaf_function(el, regs)
+            if not self._weave and len(stack) > 1 and type(stack[-2][0]) is REPEAT:
+                self._repeat_leaf(stack[-2], leaf, limit)
+                if self.steps >= limit:
+                    return INCOMPLETE
+            try:
+                value = leaf()
+            except Exception as err:
+                self._annotate(err, "running")
+                raise
+            self._after_leaf(value)
+        return self.result
+
+    @property
+    def position(self) -> str | None:
+        """Path of the leaf the next step runs (None when finished or not yet settled)."""
+        if self.done or not self._ready:
+            return None
+        return format_path(self.frame_paths()[-1][0])
+
+    def frame_paths(self) -> list[tuple[tuple[int, ...], list]]:
+        """(path, frame) for each frame on the active stack, outermost first."""
+        out = []
+        path: tuple[int, ...] = ()
+        for k, fr in enumerate(self._stack):
+            if k:
+                path = path + (child_index(self._stack[k - 1]),)
+            out.append((path, fr))
+        return out
+
+    def __str__(self) -> str:
+        from .printer import driver_listing
+
+        return driver_listing(self)
+
+    def __repr__(self) -> str:
+        state = "finished" if self.done else f"at {self.position!r}" if self._ready else "not settled"
+        return f"<flowvm.Driver {self.program.kind} step {self.steps} {state}>"
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)
+
+    # ----------------------------------------------------------------- engine
+    def _repeat_leaf(self, parent: list, leaf, limit) -> None:
+        """Run a leaf repeated by a REPEAT frame in a tight loop, up to (not including) its last iteration."""
+        i = start = parent[1]
+        stop = parent[2] - 1
+        if limit - self.steps < stop - i:
+            stop = i + int(limit - self.steps)
+        if stop <= i:
+            return
+        counter = parent[0].counter
+        value = parent[3]
+        regs = self.registers
+        try:
+            if counter is None:
+                while i < stop:
+                    value = leaf()
+                    i += 1
+            else:
+                name = counter.name
+                while i < stop:
+                    value = leaf()
+                    i += 1
+                    regs[name] = i
+        except Exception as err:
+            self._annotate(err, "running")
+            raise
+        finally:
+            parent[1] = i
+            parent[3] = value
+            self.steps += i - start
+
+    def _after_leaf(self, value: Any) -> None:
+        self.steps += 1
+        self._stack.pop()
+        self._carry = value
+        self._ready = False
+        if self._weave:
+            self._credit_weaves()
+        try:
+            self._settle()
+        except Exception:
+            # Retried, and raised, at the start of the next step: this step did run its leaf.
+            pass
+
+    def _settle(self) -> None:
+        """Hand finished values up, take WEAVE turns, and descend to the next leaf."""
+        stack = self._stack
+        value = self._carry
+        try:
+            while True:
+                if value is not _NOVALUE:
+                    if not stack:
+                        self.done = True
+                        self.result = value
+                        self._carry = _NOVALUE
+                        self._ready = True
+                        return
+                    fr = stack[-1]
+                    r = _NEXT[type(fr[0])](self, fr, value)
+                else:
+                    if self._rotate:
+                        self._rotate_weaves()
+                    fr = stack[-1]
+                    el = fr[0]
+                    if el.is_leaf:
+                        self._ready = True
+                        return
+                    r = _START[type(el)](self, fr)
+                if r is _PUSHED:
+                    value = _NOVALUE
+                else:
+                    stack.pop()
+                    value = r
+                self._carry = value
+        except Exception as err:
+            if not getattr(err, "_flowvm_noted", False):
+                self._annotate(err, "finishing" if value is not _NOVALUE else "entering")
+            raise
+
+    def _credit_weaves(self) -> None:
+        """After a leaf: every WEAVE around it counts one step of its active child's turn."""
+        for fr in self._stack:
+            if type(fr[0]) is WEAVE:
+                credits = fr[_W_CREDITS]
+                a = fr[_W_ACTIVE]
+                credits[a] -= 1
+                if credits[a] < 1:
+                    fr[_W_ROTATE] = True
+                    self._rotate = True
+
+    def _rotate_weaves(self) -> None:
+        """Hand the turn to the next child in every WEAVE whose active child used up its turn."""
+        self._rotate = False
+        stack = self._stack
+        for k in range(len(stack) - 1, -1, -1):
+            fr = stack[k]
+            if type(fr[0]) is WEAVE and len(fr) > 1 and fr[_W_ROTATE]:
+                fr[_W_ROTATE] = False
+                a = fr[_W_ACTIVE]
+                segs = fr[_W_SEGS]
+                segs[a] = stack[k + 1:]
+                del stack[k + 1:]
+                b = _weave_pick(fr, a + 1)
+                stack.extend(segs[b])
+                segs[b] = None
+                fr[_W_ACTIVE] = b
+
+    def _annotate(self, err: BaseException, doing: str) -> None:
+        try:
+            path, fr = self.frame_paths()[-1] if self._stack else ((), [self.program])
+            from .printer import describe
+
+            where = format_path(path) or "<root>"
+            err.add_note(f"flowvm: while {doing} {describe(fr[0])} at path '{where}' (step {self.steps + 1})")
+            if isinstance(err, (RegisterError, SwitchError)) and not err.path:
+                err.path = format_path(path)
+            err._flowvm_noted = True
+        except Exception:  # pragma: no cover - never hide the user's error
+            pass
+
+
+# ---------------------------------------------------------------- element kinds
+def child_index(fr: list) -> int:
+    """Index (in ``children``) of the child a started container frame is running."""
+    kind = type(fr[0])
+    if kind is SEQ or kind is SWITCH or kind is WEAVE:
+        return fr[1]
+    if kind is WHILE:
+        return fr[1]
+    return 0
+
+
+def read_register(drv: Driver, reg: Register, what: str) -> Any:
+    try:
+        return drv.registers[reg.name]
+    except KeyError:
+        raise RegisterError(f"{what}: register {reg.name!r} holds no value", reg.name) from None
+
+
+def _count(drv: Driver, el: Element) -> int:
+    n = el.n
+    if isinstance(n, Register):
+        n = read_register(drv, n, f"{el.kind} count")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{el.kind} count register {el.n.name!r} holds {type(n).__name__} {n!r:.60}, "
+                            "expected an int >= 0")
+        if n < 0:
+            raise ValueError(f"{el.kind} count register {el.n.name!r} holds {n}, expected an int >= 0")
+        n = int(n)
+    return n
+
+
+def _push(drv: Driver, el: Element):
+    drv._stack.append([el])
+    return _PUSHED
+
+
+def _start_seq(drv, fr):
+    el = fr[0]
+    if not el.elements:
+        return None
+    fr.append(0)
+    return _push(drv, el.elements[0])
+
+
+def _next_seq(drv, fr, value):
+    el = fr[0]
+    pos = fr[1] + 1
+    if pos == len(el.elements):
+        return value
+    fr[1] = pos
+    return _push(drv, el.elements[pos])
+
+
+def _start_repeat(drv, fr):
+    el = fr[0]
+    n = _count(drv, el)
+    if el.counter is not None:
+        drv.registers[el.counter.name] = 0
+    if n == 0:
+        return None
+    fr.extend((0, n, None))
+    return _push(drv, el.body)
+
+
+def _next_repeat(drv, fr, value):
+    el = fr[0]
+    i = fr[1] = fr[1] + 1
+    fr[3] = value
+    if el.counter is not None:
+        drv.registers[el.counter.name] = i
+    if i < fr[2]:
+        return _push(drv, el.body)
+    return value
+
+
+def _start_buffer(drv, fr):
+    el = fr[0]
+    n = _count(drv, el)
+    if n == 0:
+        return _store(drv, el, [])
+    fr.extend((0, n, []))
+    return _push(drv, el.body)
+
+
+def _next_buffer(drv, fr, value):
+    el = fr[0]
+    fr[3].append(value)
+    i = fr[1] = fr[1] + 1
+    if i < fr[2]:
+        return _push(drv, el.body)
+    return _store(drv, el, collect(fr[3]))
+
+
+def _store(drv, el, value):
+    if el.store_to is not None:
+        drv.registers[el.store_to.name] = value
+    return value
+
+
+def collect(values: list) -> Any:
+    """BUFFER's value: one stacked numpy array or torch tensor when possible, else the list."""
+    if not values:
+        return values
+    np = sys.modules.get("numpy")
+    if np is not None and all(isinstance(v, (np.ndarray, np.generic)) for v in values):
+        if len({np.shape(v) for v in values}) == 1:
+            return np.stack(values)
+        return values
+    torch = sys.modules.get("torch")
+    if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
+        if len({tuple(v.shape) for v in values}) == 1:
+            return torch.stack(values)
+    return values
+
+
+def _start_loop(drv, fr):
+    fr.extend((drv.steps, 0))
+    return _push(drv, fr[0].body)
+
+
+def _next_loop(drv, fr, value):
+    if drv.steps == fr[1]:
+        raise FlowError("LOOP body finished an iteration without taking a step; it would spin forever "
+                        "(does a REPEAT or BUFFER count in it hold 0?)")
+    fr[1] = drv.steps
+    fr[2] += 1
+    return _push(drv, fr[0].body)
+
+
+def _start_while(drv, fr):
+    fr.extend((0, None, 0))
+    return _push(drv, fr[0].cond)
+
+
+def _next_while(drv, fr, value):
+    el = fr[0]
+    if fr[1] == 0:
+        if value:
+            fr[1] = 1
+            return _push(drv, el.body)
+        return fr[2]
+    fr[2] = value
+    fr[3] += 1
+    fr[1] = 0
+    return _push(drv, el.cond)
+
+
+def _switch_case(el: SWITCH, value: Any) -> int:
+    idx = el.case_index(value)
+    if idx < 0:
+        cases = ", ".join(repr(k) for k in el.cases)
+        raise SwitchError(f"SWITCH has no case for selector value {value!r:.80} (cases: {cases}) and no default",
+                          value)
+    return idx
+
+
+def _start_switch(drv, fr):
+    el = fr[0]
+    if isinstance(el.selector, CALL):
+        fr.append(0)
+        return _push(drv, el.selector)
+    idx = _switch_case(el, read_register(drv, el.selector, "SWITCH selector"))
+    fr.append(idx)
+    return _push(drv, el.children[idx])
+
+
+def _next_switch(drv, fr, value):
+    el = fr[0]
+    if fr[1] == 0 and isinstance(el.selector, CALL):
+        idx = _switch_case(el, value)
+        fr[1] = idx
+        return _push(drv, el.children[idx])
+    return value
+
+
+def _weave_pick(fr: list, start: int) -> int:
+    """The child whose turn comes next, from index start on, giving each skipped child its credit."""
+    el = fr[0]
+    n = len(el.elements)
+    finished = fr[_W_FINISHED]
+    credits = fr[_W_CREDITS]
+    weights = el.weights
+    j = start % n
+    while True:
+        if not finished[j]:
+            credits[j] += weights[j] if weights is not None else 1
+            if credits[j] >= 1:
+                return j
+        j = (j + 1) % n
+
+
+def _start_weave(drv, fr):
+    el = fr[0]
+    n = len(el.elements)
+    if el.required == 0:
+        return [None] * n
+    fr.extend((0, [[[c]] for c in el.elements], [False] * n, [None] * n, [0] * n, 0, False))
+    a = _weave_pick(fr, 0)
+    fr[_W_ACTIVE] = a
+    segs = fr[_W_SEGS]
+    drv._stack.extend(segs[a])
+    segs[a] = None
+    return _PUSHED
+
+
+def _next_weave(drv, fr, value):
+    a = fr[_W_ACTIVE]
+    fr[_W_FINISHED][a] = True
+    fr[_W_VALUES][a] = value
+    fr[_W_CREDITS][a] = 0
+    fr[_W_ROTATE] = False
+    fr[_W_NDONE] += 1
+    if fr[_W_NDONE] >= fr[0].required:
+        return list(fr[_W_VALUES])
+    b = _weave_pick(fr, a + 1)
+    fr[_W_ACTIVE] = b
+    segs = fr[_W_SEGS]
+    drv._stack.extend(segs[b])
+    segs[b] = None
+    return _PUSHED
+
+
+_START = {SEQ: _start_seq, REPEAT: _start_repeat, BUFFER: _start_buffer, LOOP: _start_loop,
+          WHILE: _start_while, SWITCH: _start_switch, WEAVE: _start_weave}
+_NEXT = {SEQ: _next_seq, REPEAT: _next_repeat, BUFFER: _next_buffer, LOOP: _next_loop,
+         WHILE: _next_while, SWITCH: _next_switch, WEAVE: _next_weave}

@@ -1,0 +1,365 @@
+"""The element kinds a program is built from.
+
+Elements are small immutable data objects: they describe control flow and
+hold no execution state.  Running a program is the driver's job
+(``flowvm.driver``); printing, analysis and verification live in their own
+modules.  This split is what lets a half-run program be pickled: the run state
+is in the driver's frames, never in the elements.
+
+Every element has ``children`` (a tuple of elements, in path order) and
+``with_children(children)``, which builds the same element over new children:
+together they are all that tree walkers and editors need.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from .registers import Register, iter_registers
+
+
+class Element:
+    """Base class of all elements."""
+
+    kind: str = "ELEMENT"
+    is_leaf: bool = False
+    __slots__ = ("__dict__", "__weakref__")
+
+    # -- immutability: elements are shared freely between programs and copies
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{self.kind} elements are immutable; build a new element instead")
+
+    def _init(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    # -- caches (compiled call closures, analysis results) never travel
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_c_")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def _cached(self, key: str, compute: Callable[[], Any]) -> Any:
+        name = "_c_" + key
+        try:
+            return self.__dict__[name]
+        except KeyError:
+            value = self.__dict__[name] = compute()
+            return value
+
+    # -- structure
+    @property
+    def children(self) -> tuple["Element", ...]:
+        return ()
+
+    def with_children(self, children: Sequence["Element"]) -> "Element":
+        if children:
+            raise ValueError(f"{self.kind} has no children")
+        return self
+
+    def own_reads(self) -> list[Register]:
+        """Registers this element reads itself (not counting its children)."""
+        return []
+
+    def own_writes(self) -> list[Register]:
+        """Registers this element writes itself (not counting its children)."""
+        return []
+
+    # -- running
+    def start(self) -> "Driver":  # noqa: F821
+        """Return a resumable Driver for this program; nothing runs yet."""
+        from .driver import Driver
+
+        return Driver(self)
+
+    def run(self, max_steps: int | None = None) -> Any:
+        """Run the program to the end and return its value."""
+        return self.start().run(max_steps)
+
+    # -- printing
+    def __str__(self) -> str:
+        from .printer import listing
+
+        return listing(self)
+
+    def __repr__(self) -> str:
+        from .printer import short
+
+        return short(self)
+
+
+def _check_element(obj: Any, owner: str, what: str) -> "Element":
+    if not isinstance(obj, Element):
+        raise TypeError(f"{owner}: {what} must be a flowvm element, got {type(obj).__name__} {obj!r:.60}")
+    return obj
+
+
+def _check_count(n: Any, owner: str, what: str = "count") -> Any:
+    if isinstance(n, Register):
+        return n
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{owner}: {what} must be an int or a Register, got {type(n).__name__} {n!r:.60}")
+    if n < 0:
+        raise ValueError(f"{owner}: {what} must be >= 0, got {n}")
+    return int(n)
+
+
+def _check_target(store_to: Any, owner: str) -> Register | None:
+    if store_to is not None and not isinstance(store_to, Register):
+        raise TypeError(f"{owner}: store_to must be a Register (reg('name')) or None, got {type(store_to).__name__}")
+    return store_to
+
+
+class CALL(Element):
+    """One step: call ``fn(*args, **kwargs)``.
+
+    Registers anywhere in args and kwargs (also inside lists, tuples and dicts)
+    are replaced by their values when the call runs.  The return value is the
+    element's value, stored to ``store_to`` when given.
+    """
+
+    kind = "CALL"
+    is_leaf = True
+
+    def __init__(self, fn: Callable, *args: Any, store_to: Register | None = None, **kwargs: Any):
+        if not callable(fn):
+            raise TypeError(f"CALL: fn must be callable, got {type(fn).__name__} {fn!r:.60}")
+        self._init(fn=fn, args=tuple(args), kwargs=dict(kwargs), store_to=_check_target(store_to, "CALL"))
+
+    def own_reads(self) -> list[Register]:
+        return list(iter_registers(self.args)) + list(iter_registers(self.kwargs))
+
+    def own_writes(self) -> list[Register]:
+        return [self.store_to] if self.store_to is not None else []
+
+
+class PRINT(Element):
+    """One step: print the objects (a Register prints its value)."""
+
+    kind = "PRINT"
+    is_leaf = True
+
+    def __init__(self, *objs: Any, sep: str = " "):
+        if not isinstance(sep, str):
+            raise TypeError("PRINT: sep must be a str")
+        self._init(objs=tuple(objs), sep=sep)
+
+    def own_reads(self) -> list[Register]:
+        return list(iter_registers(self.objs))
+
+
+class SEQ(Element):
+    """Run the children in order; the value is the last child's."""
+
+    kind = "SEQ"
+
+    def __init__(self, elements: Iterable[Element]):
+        if isinstance(elements, Element) or not isinstance(elements, Iterable):
+            raise TypeError(f"SEQ: expects a list of elements, got {type(elements).__name__}")
+        elements = tuple(elements)
+        for i, el in enumerate(elements):
+            _check_element(el, "SEQ", f"element {i}")
+        self._init(elements=elements)
+
+    @property
+    def children(self):
+        return self.elements
+
+    def with_children(self, children):
+        return SEQ(children)
+
+
+class REPEAT(Element):
+    """Run ``element`` n times (n an int or a Register read on entry).
+
+    The counter register holds 0 on entry and the number of finished
+    iterations after each one.  The value is the last iteration's (None when
+    n is 0).
+    """
+
+    kind = "REPEAT"
+
+    def __init__(self, n: int | Register, element: Element, counter: Register | None = None):
+        n = _check_count(n, "REPEAT")
+        _check_element(element, "REPEAT", "body")
+        if counter is not None and not isinstance(counter, Register):
+            raise TypeError(f"REPEAT: counter must be a Register or None, got {type(counter).__name__}")
+        self._init(n=n, body=element, counter=counter)
+
+    @property
+    def children(self):
+        return (self.body,)
+
+    def with_children(self, children):
+        (body,) = children
+        return REPEAT(self.n, body, self.counter)
+
+    def own_reads(self):
+        return [self.n] if isinstance(self.n, Register) else []
+
+    def own_writes(self):
+        return [self.counter] if self.counter is not None else []
+
+
+class LOOP(Element):
+    """Run ``element`` forever; only an enclosing WEAVE (or stopping the driver) ends it."""
+
+    kind = "LOOP"
+
+    def __init__(self, element: Element):
+        self._init(body=_check_element(element, "LOOP", "body"))
+
+    @property
+    def children(self):
+        return (self.body,)
+
+    def with_children(self, children):
+        (body,) = children
+        return LOOP(body)
+
+
+class WHILE(Element):
+    """Evaluate ``cond`` (a CALL, one step) before each iteration; loop while it is truthy.
+
+    The value is the last iteration's (None when no iteration ran).
+    """
+
+    kind = "WHILE"
+
+    def __init__(self, cond: CALL, element: Element):
+        if not isinstance(cond, CALL):
+            raise TypeError(f"WHILE: cond must be a CALL, got {type(cond).__name__} {cond!r:.60}")
+        self._init(cond=cond, body=_check_element(element, "WHILE", "body"))
+
+    @property
+    def children(self):
+        return (self.cond, self.body)
+
+    def with_children(self, children):
+        cond, body = children
+        return WHILE(cond, body)
+
+
+class SWITCH(Element):
+    """Run ``cases[value]`` where value is the selector's (a Register, or a CALL run as a step).
+
+    With no matching case the default runs; with no default either, running
+    it raises ``SwitchError`` naming the value.  The value is the case's.
+    """
+
+    kind = "SWITCH"
+
+    def __init__(self, selector: Register | CALL, cases: Mapping[Any, Element], default: Element | None = None):
+        if not isinstance(selector, (Register, CALL)):
+            raise TypeError(f"SWITCH: selector must be a Register or a CALL, got {type(selector).__name__}")
+        if not isinstance(cases, Mapping):
+            raise TypeError(f"SWITCH: cases must be a dict of value -> element, got {type(cases).__name__}")
+        for key, el in cases.items():
+            _check_element(el, "SWITCH", f"case {key!r}")
+        if default is not None:
+            _check_element(default, "SWITCH", "default")
+        self._init(selector=selector, cases=dict(cases), default=default)
+
+    @property
+    def children(self):
+        head = (self.selector,) if isinstance(self.selector, CALL) else ()
+        tail = (self.default,) if self.default is not None else ()
+        return head + tuple(self.cases.values()) + tail
+
+    def with_children(self, children):
+        children = list(children)
+        selector = children.pop(0) if isinstance(self.selector, CALL) else self.selector
+        cases = dict(zip(self.cases, children[: len(self.cases)]))
+        rest = children[len(self.cases):]
+        return SWITCH(selector, cases, rest[0] if rest else None)
+
+    def case_index(self, key: Any) -> int:
+        """Index in ``children`` of the case for key (the default when no case matches), or -1."""
+        head = 1 if isinstance(self.selector, CALL) else 0
+        try:
+            return head + list(self.cases).index(key) if key in self.cases else (
+                head + len(self.cases) if self.default is not None else -1)
+        except TypeError:  # unhashable selector value
+            return head + len(self.cases) if self.default is not None else -1
+
+    def own_reads(self):
+        return [self.selector] if isinstance(self.selector, Register) else []
+
+
+class WEAVE(Element):
+    """Interleave the children, one step each in round-robin order.
+
+    Done when ``n_required`` children have finished (-1: all); the others are
+    abandoned.  ``weights`` give relative step frequencies: with integer
+    weights a child takes that many consecutive steps per turn; a weight
+    below 1 makes a child skip turns.  The value is the list of the
+    children's values (None for an abandoned child).
+    """
+
+    kind = "WEAVE"
+
+    def __init__(self, n_required: int, elements: Iterable[Element], weights: Sequence[float] | None = None):
+        if isinstance(n_required, bool) or not isinstance(n_required, numbers.Integral):
+            raise TypeError(f"WEAVE: n_required must be an int, got {type(n_required).__name__}")
+        if isinstance(elements, Element) or not isinstance(elements, Iterable):
+            raise TypeError(f"WEAVE: expects a list of elements, got {type(elements).__name__}")
+        elements = tuple(elements)
+        for i, el in enumerate(elements):
+            _check_element(el, "WEAVE", f"element {i}")
+        n_required = int(n_required)
+        if n_required < -1:
+            raise ValueError(f"WEAVE: n_required must be -1 (all) or >= 0, got {n_required}")
+        if n_required > len(elements):
+            raise ValueError(f"WEAVE: n_required={n_required} but it has only {len(elements)} children")
+        if weights is not None:
+            weights = tuple(weights)
+            if len(weights) != len(elements):
+                raise ValueError(f"WEAVE: {len(weights)} weights for {len(elements)} children")
+            for w in weights:
+                if isinstance(w, bool) or not isinstance(w, numbers.Real) or not w > 0 or w != w or w == float("inf"):
+                    raise ValueError(f"WEAVE: weights must be positive finite numbers, got {w!r}")
+        self._init(n_required=n_required, elements=elements, weights=weights)
+
+    @property
+    def children(self):
+        return self.elements
+
+    def with_children(self, children):
+        return WEAVE(self.n_required, children, self.weights)
+
+    @property
+    def required(self) -> int:
+        return len(self.elements) if self.n_required == -1 else self.n_required
+
+
+class BUFFER(Element):
+    """Run ``element`` n times and collect its values.
+
+    The value is a list, stacked into one numpy array (or torch tensor) when
+    all values are numpy arrays/scalars (or all are tensors) of one shape.
+    """
+
+    kind = "BUFFER"
+
+    def __init__(self, n: int | Register, element: Element, store_to: Register | None = None):
+        n = _check_count(n, "BUFFER")
+        _check_element(element, "BUFFER", "body")
+        self._init(n=n, body=element, store_to=_check_target(store_to, "BUFFER"))
+
+    @property
+    def children(self):
+        return (self.body,)
+
+    def with_children(self, children):
+        (body,) = children
+        return BUFFER(self.n, body, self.store_to)
+
+    def own_reads(self):
+        return [self.n] if isinstance(self.n, Register) else []
+
+    def own_writes(self):
+        return [self.store_to] if self.store_to is not None else []
+
+
+ELEMENT_KINDS = (CALL, PRINT, SEQ, REPEAT, LOOP, WHILE, SWITCH, WEAVE, BUFFER)

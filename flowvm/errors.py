@@ -1,0 +1,58 @@
+"""Exceptions raised by flowvm.
+
+User exceptions raised inside a CALL keep their own type; flowvm only adds a
+note saying where they happened.  The classes here are for errors that are
+flowvm's own: a program that cannot run, a checkpoint that cannot be read.
+"""
+
+from __future__ import annotations
+
+
+class FlowError(Exception):
+    """Base class of flowvm's own errors."""
+
+
+class VerifyError(FlowError):
+    """A program failed static verification.
+
+    ``path`` is the path of the faulty element ("0.2.1", "" for the root) and
+    ``register`` the register name at fault, when there is one.
+    """
+
+    def __init__(self, message: str, path: str = "", register: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.register = register
+
+
+class RegisterError(FlowError, KeyError):
+    """A register was read before anything was stored in it."""
+
+    def __init__(self, message: str, register: str, path: str = ""):
+        super().__init__(message)
+        self.register = register
+        self.path = path
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+class SwitchError(FlowError, LookupError):
+    """A SWITCH selector value has no case and the SWITCH has no default."""
+
+    def __init__(self, message: str, value: object, path: str = ""):
+        super().__init__(message)
+        self.value = value
+        self.path = path
+
+
+class CheckpointError(FlowError):
+    """A checkpoint file cannot be written, read or trusted.
+
+    ``path`` is the file and ``reason`` says what is wrong with it.
+    """
+
+    def __init__(self, path: object, reason: str):
+        super().__init__(f"checkpoint {str(path)!r}: {reason}")
+        self.path = path
+        self.reason = reason

@@ -1,0 +1,207 @@
+"""Printers: a short repr, an indented listing, and the listing with a driver's position.
+
+The listing reads like code: a leaf is a call (``y = f(x, lr=0.1)``), a
+container is a block header followed by its indented children.  Registers
+print as bare names; constants print as their repr (shortened).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from typing import Any
+
+from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from .registers import Register
+
+INDENT = "    "
+
+
+def fn_name(fn: Any) -> str:
+    """A readable name for a callable: ``f``, ``Dataset.next``, ``Linear``, ``partial(f, ...)``."""
+    if isinstance(fn, functools.partial):
+        return f"partial({fn_name(fn.func)}, ...)"
+    owner = getattr(fn, "__self__", None)
+    if isinstance(fn, (types.MethodType, types.BuiltinMethodType)) and owner is not None \
+            and not isinstance(owner, types.ModuleType):
+        owner_name = owner.__name__ if isinstance(owner, type) else type(owner).__name__
+        return f"{owner_name}.{fn.__name__}"
+    if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, type)):
+        qual = getattr(fn, "__qualname__", None) or fn.__name__
+        return qual.rsplit("<locals>.", 1)[-1]
+    return type(fn).__name__
+
+
+def fmt(value: Any, limit: int = 40) -> str:
+    """A short source-like rendering of an argument value."""
+    if isinstance(value, Register):
+        return value.name
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray):
+        return f"<array {value.dtype} {'x'.join(map(str, value.shape)) or 'scalar'}>"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return f"<tensor {str(value.dtype).replace('torch.', '')} {'x'.join(map(str, value.shape)) or 'scalar'}>"
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        inner = ", ".join(fmt(v, limit) for v in value)
+        text = f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    elif isinstance(value, dict):
+        text = "{" + ", ".join(f"{fmt(k, limit)}: {fmt(v, limit)}" for k, v in value.items()) + "}"
+    elif callable(value) and not isinstance(value, type):
+        text = fn_name(value)
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def call_text(el: CALL) -> str:
+    args = [fmt(a) for a in el.args] + [f"{k}={fmt(v)}" for k, v in el.kwargs.items()]
+    text = f"{fn_name(el.fn)}({', '.join(args)})"
+    return f"{el.store_to.name} = {text}" if el.store_to is not None else text
+
+
+def _count(n: Any) -> str:
+    return fmt(n)
+
+
+def header(el: Element) -> str:
+    """The one line that stands for el in a listing (without its children)."""
+    if isinstance(el, CALL):
+        return call_text(el)
+    if isinstance(el, PRINT):
+        return "PRINT " + ", ".join(fmt(o) for o in el.objs)
+    if isinstance(el, SEQ):
+        return "SEQ:"
+    if isinstance(el, REPEAT):
+        counter = f" (counter {el.counter.name})" if el.counter is not None else ""
+        return f"REPEAT {_count(el.n)}{counter}:"
+    if isinstance(el, BUFFER):
+        target = f"{el.store_to.name} = " if el.store_to is not None else ""
+        return f"{target}BUFFER {_count(el.n)}:"
+    if isinstance(el, LOOP):
+        return "LOOP:"
+    if isinstance(el, WHILE):
+        return f"WHILE {call_text(el.cond)}:"
+    if isinstance(el, SWITCH):
+        sel = call_text(el.selector) if isinstance(el.selector, CALL) else el.selector.name
+        return f"SWITCH {sel}:"
+    if isinstance(el, WEAVE):
+        n = len(el.elements)
+        req = f"all of {n}" if el.n_required == -1 else f"{el.n_required} of {n}"
+        weights = f" (weights {', '.join(fmt(w) for w in el.weights)})" if el.weights is not None else ""
+        return f"WEAVE {req}{weights}:"
+    return el.kind  # pragma: no cover
+
+
+def describe(el: Element) -> str:
+    """A one-line description used in error messages: kind and header."""
+    if isinstance(el, CALL):
+        return f"CALL {call_text(el)}"
+    return header(el).rstrip(":")
+
+
+def short(el: Element) -> str:
+    if el.is_leaf:
+        return f"<{describe(el)}>"
+    return f"<{describe(el)} ({len(el.children)} children)>"
+
+
+def lines(program: Element) -> list[tuple[tuple[int, ...] | None, int, str]]:
+    """(path, depth, text) for each line of the listing; path is None for CASE/DEFAULT labels."""
+    out: list[tuple[tuple[int, ...] | None, int, str]] = []
+
+    def visit(el: Element, path: tuple[int, ...], depth: int) -> None:
+        out.append((path, depth, header(el)))
+        children = el.children
+        if isinstance(el, WHILE):
+            visit(children[1], path + (1,), depth + 1)
+        elif isinstance(el, SWITCH):
+            head = 1 if isinstance(el.selector, CALL) else 0
+            for k, key in enumerate(el.cases):
+                out.append((None, depth + 1, f"CASE {fmt(key)}:"))
+                visit(children[head + k], path + (head + k,), depth + 2)
+            if el.default is not None:
+                out.append((None, depth + 1, "DEFAULT:"))
+                visit(children[-1], path + (len(children) - 1,), depth + 2)
+        else:
+            for i, child in enumerate(children):
+                visit(child, path + (i,), depth + 1)
+
+    visit(program, (), 0)
+    return out
+
+
+def listing(program: Element, marks: dict | None = None) -> str:
+    """The program as indented code.  marks maps a path to (gutter, comment) for that line."""
+    rows = lines(program)
+    index = {path: k for k, (path, _, _) in enumerate(rows) if path is not None}
+    notes: dict[int, tuple[str, str]] = {}
+    for path, (gutter, comment) in (marks or {}).items():
+        while path not in index and path:  # a WHILE condition or SWITCH selector prints on its parent's line
+            path = path[:-1]
+        k = index[path]
+        old = notes.get(k)
+        if old is None or (gutter.strip() and not old[0].strip()):
+            notes[k] = (gutter, comment if comment else (old[1] if old else ""))
+    gutter_width = 3 if marks else 0
+    text = []
+    for k, (path, depth, body) in enumerate(rows):
+        gutter, comment = notes.get(k, ("", ""))
+        line = f"{gutter:<{gutter_width}}{INDENT * depth}{body}"
+        if comment:
+            line += f"  # {comment}"
+        text.append(line)
+    return "\n".join(text)
+
+
+def frame_comment(fr: list) -> str:
+    el = fr[0]
+    if len(fr) == 1:
+        return ""
+    if isinstance(el, (REPEAT, BUFFER)):
+        return f"{fr[1]} of {fr[2]} done"
+    if isinstance(el, LOOP):
+        return f"{fr[2]} iterations done"
+    if isinstance(el, WHILE):
+        return f"{fr[3]} iterations done" + (", testing condition" if fr[1] == 0 else "")
+    if isinstance(el, SEQ):
+        return f"at {fr[1] + 1} of {len(el.elements)}"
+    if isinstance(el, WEAVE):
+        return f"{fr[6]} of {el.required} required finished, turn of {fr[1]}"
+    return ""
+
+
+def driver_marks(drv) -> dict:
+    """Gutter marks: '>>' the next leaf, '..' where paused WEAVE children will resume."""
+    from .driver import child_index
+
+    marks: dict = {}
+
+    def mark_stack(frames: list, path: tuple[int, ...], leaf_mark: str) -> None:
+        for k, fr in enumerate(frames):
+            if k:
+                path = path + (child_index(frames[k - 1]),)
+            comment = frame_comment(fr)
+            is_top = k == len(frames) - 1
+            if is_top:
+                marks[path] = (leaf_mark, comment or ("not started" if not fr[0].is_leaf else ""))
+            elif comment and path not in marks:
+                marks[path] = ("", comment)
+            if isinstance(fr[0], WEAVE) and len(fr) > 1:
+                for j, seg in enumerate(fr[2]):
+                    if seg:
+                        mark_stack(seg, path + (j,), "..")
+
+    if not drv.done:
+        mark_stack(drv._stack, (), ">>")
+    return marks
+
+
+def driver_listing(drv) -> str:
+    if drv.done:
+        state = f"finished after {drv.steps} steps, result {fmt(drv.result, 60)}"
+    else:
+        pos = drv.position
+        state = f"step {drv.steps}, next: path {pos!r}" if pos is not None else f"step {drv.steps}"
+    return f"# flowvm driver: {state}\n" + listing(drv.program, driver_marks(drv))

@@ -1,0 +1,114 @@
+"""Static checks run before a program starts.
+
+- every register read has some execution path that writes it first
+  (registers already holding a value count as written);
+- no LOOP or WHILE has a body that can never take a step;
+- all register references are bound to one register file.
+
+This is the register-file counterpart of checking that every popped skip
+tensor was stashed before.  Writes are tracked as a *may* analysis: a read is
+an error only when no path at all can have written the register by then.
+"""
+
+from __future__ import annotations
+
+from .analysis import can_step, register_files, writes
+from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from .errors import VerifyError
+from .paths import format_path
+from .registers import Registers
+
+
+def program_registers(program: Element) -> Registers:
+    """The one register file the program's references are bound to (a new empty one if none)."""
+    files = register_files(program)
+    if len(files) > 1:
+        names = [sorted({r.name for r in _refs(program) if r.file is f})[:3] for f in files]
+        raise VerifyError(
+            f"the program uses registers from {len(files)} different register files "
+            f"(for example {', '.join(str(n) for n in names)}); a program runs on one Registers object"
+        )
+    return files[0] if files else Registers()
+
+
+def _refs(program):
+    from .analysis import all_registers
+
+    return all_registers(program)
+
+
+def verify(program: Element, registers: dict | None = None) -> None:
+    """Raise VerifyError if program can read an unwritten register or spin without steps.
+
+    ``registers`` defaults to the program's own register file; names already
+    in it count as written.
+    """
+    if registers is None:
+        registers = program_registers(program)
+    _check(program, (), frozenset(registers), program)
+
+
+def _fail(message: str, path: tuple, program: Element, register: str | None = None):
+    from .printer import listing
+
+    where = format_path(path) or "<root>"
+    text = listing(program, {path: (">>", "here")})
+    raise VerifyError(f"{message} (at path '{where}')\n{text}", format_path(path), register)
+
+
+def _check_reads(el: Element, path: tuple, before: frozenset, program: Element) -> None:
+    for r in el.own_reads():
+        if r.name not in before:
+            from .printer import describe
+
+            known = ", ".join(sorted(before)) or "none"
+            _fail(f"register {r.name!r} is read by {describe(el)} but no execution path writes it before "
+                  f"(registers written by then: {known})", path, program, r.name)
+
+
+def _check(el: Element, path: tuple, before: frozenset, program: Element) -> frozenset:
+    """Check el given the registers that may be written before it; return those after it."""
+    if isinstance(el, (CALL, PRINT)):
+        _check_reads(el, path, before, program)
+        return before | {r.name for r in el.own_writes()}
+    if isinstance(el, SEQ):
+        for i, child in enumerate(el.elements):
+            before = _check(child, path + (i,), before, program)
+        return before
+    # A loop body's first iteration runs before any later one, so it is checked
+    # against what is written before the loop; later iterations only add writes.
+    if isinstance(el, (REPEAT, BUFFER)):
+        _check_reads(el, path, before, program)
+        own = {r.name for r in el.own_writes()}
+        _check(el.body, path + (0,), before | (own if isinstance(el, REPEAT) else set()), program)
+        return before | own | writes(el.body)
+    if isinstance(el, LOOP):
+        if not can_step(el.body):
+            _fail("LOOP body can never take a step; the loop would spin forever", path, program)
+        _check(el.body, path + (0,), before, program)
+        return before | writes(el.body)
+    if isinstance(el, WHILE):
+        if not can_step(el.body):
+            _fail("WHILE body can never take a step", path, program)
+        after_cond = _check(el.cond, path + (0,), before, program)
+        _check(el.body, path + (1,), after_cond, program)
+        return after_cond | writes(el.body)
+    if isinstance(el, SWITCH):
+        _check_reads(el, path, before, program)
+        children = el.children
+        head = 0
+        if isinstance(el.selector, CALL):
+            before = _check(el.selector, path + (0,), before, program)
+            head = 1
+        after = set(before)
+        for i in range(head, len(children)):
+            after |= _check(children[i], path + (i,), before, program)
+        return frozenset(after)
+    if isinstance(el, WEAVE):
+        all_writes = [writes(c) for c in el.elements]
+        after = set(before)
+        for i, child in enumerate(el.elements):
+            others = frozenset().union(*(w for j, w in enumerate(all_writes) if j != i))
+            after |= _check(child, path + (i,), before | others, program)
+        return frozenset(after)
+    raise TypeError(f"unknown element kind {type(el).__name__} at path '{format_path(path)}'")
