@@ -94,12 +94,12 @@ def _payload(driver, path) -> bytes:
         raise CheckpointError(path, f"cannot pickle the driver:{culprit} {type(err).__name__}: {err}") from err
 
 
-def dumps(driver, key: bytes | str | None = None) -> bytes:
+def dumps(driver, key: bytes | str | None = None, meta: dict | None = None) -> bytes:
     """The bytes of a checkpoint file for driver (see save)."""
-    return _encode(driver, key, "<bytes>")
+    return _encode(driver, key, "<bytes>", meta)
 
 
-def _encode(driver, key, path) -> bytes:
+def _encode(driver, key, path, meta=None) -> bytes:
     from . import __version__
     from .driver import Driver
 
@@ -110,7 +110,7 @@ def _encode(driver, key, path) -> bytes:
     header = json.dumps({
         "format": FORMAT, "flowvm": __version__, "python": platform.python_version(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": driver.steps, "done": driver.done,
-        "program": driver.program.kind, "payload_bytes": len(payload), "signed": key is not None,
+        "program": driver.program.kind, "payload_bytes": len(payload), "signed": key is not None, "meta": meta or {},
     }).encode()
     body = MAGIC + struct.pack(">I", len(header)) + header + payload
     out = body + hashlib.sha256(body).digest()
@@ -119,14 +119,17 @@ def _encode(driver, key, path) -> bytes:
     return out
 
 
-def save(driver, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
+def save(driver, path: str | os.PathLike, key: bytes | str | None = None, meta: dict | None = None) -> Path:
     """Write driver (and the global RNG states) to path atomically; sign it with key if given.
+
+    ``meta`` is a JSON-serializable dict stored in the header (read it back
+    with read_header without unpickling anything).
 
     The file is written to a temporary file beside path, flushed to disk and
     renamed over path, so a crash leaves either the old or the new file.
     """
     path = Path(path)
-    data = _encode(driver, key, path)
+    data = _encode(driver, key, path, meta)
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:

@@ -1,0 +1,100 @@
+"""Helpers for testing flowvm programs: run them several ways and compare.
+
+``assert_same_run(build)`` is the differential test every program should pass:
+the registers, result and step count are the same whether the program runs
+straight through or is stopped at step k, copied (pickle, cloudpickle,
+deepcopy or a checkpoint) and resumed.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import random
+from typing import Any, Callable, Iterable
+
+import cloudpickle
+
+from .checkpoint import dumps as checkpoint_dumps
+from .checkpoint import loads as checkpoint_loads
+from .driver import Driver
+from .elements import Element
+
+COPIERS: dict[str, Callable[[Driver], Driver]] = {
+    "pickle": lambda d: pickle.loads(pickle.dumps(d)),
+    "cloudpickle": lambda d: pickle.loads(cloudpickle.dumps(d)),
+    "deepcopy": copy.deepcopy,
+    "checkpoint": lambda d: checkpoint_loads(checkpoint_dumps(d), restore_random=False),
+}
+
+
+def same(a: Any, b: Any) -> bool:
+    """Exact equality that also understands numpy arrays and torch tensors (bit for bit, NaNs equal)."""
+    import sys
+
+    np = sys.modules.get("numpy")
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        if not (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape):
+            return False
+        if torch.equal(a, b):
+            return True
+        return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else False
+    if np is not None and isinstance(a, (np.ndarray, np.generic)):
+        return (isinstance(b, (np.ndarray, np.generic)) and np.shape(a) == np.shape(b)
+                and np.asarray(a).dtype == np.asarray(b).dtype
+                and np.array_equal(a, b, equal_nan=np.asarray(a).dtype.kind in "fc"))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return type(a) is type(b) and a == b
+
+
+def outcome(driver: Driver) -> dict:
+    """What a finished run produced: result, step count and a copy of the registers."""
+    return {"result": driver.result, "steps": driver.steps, "registers": dict(driver.registers)}
+
+
+def diff(expected: dict, got: dict) -> list[str]:
+    problems = []
+    if not same(expected["result"], got["result"]):
+        problems.append(f"result {got['result']!r:.80} != {expected['result']!r:.80}")
+    if expected["steps"] != got["steps"]:
+        problems.append(f"steps {got['steps']} != {expected['steps']}")
+    er, gr = expected["registers"], got["registers"]
+    for name in sorted(set(er) | set(gr)):
+        if name not in gr or name not in er or not same(er[name], gr[name]):
+            problems.append(f"register {name!r}: {gr.get(name, '<missing>')!r:.80} != {er.get(name, '<missing>')!r:.80}")
+    return problems
+
+
+def assert_same_run(build: Callable[[], Element], cuts: Iterable[int] | None = None,
+                    copiers: Iterable[str] = tuple(COPIERS), seed: int = 0) -> dict:
+    """Check that stopping at step k, copying and resuming changes nothing.
+
+    ``build`` returns a fresh program (with fresh registers and seeded random
+    generators) each time it is called.  ``cuts`` defaults to a few step counts
+    spread over the run.  Returns the uninterrupted outcome.
+    """
+    reference = build().start()
+    reference.run()
+    expected = outcome(reference)
+    total = expected["steps"]
+    if cuts is None:
+        rng = random.Random(seed)
+        cuts = sorted({0, total, *(rng.randint(0, total) for _ in range(3))})
+    for k in cuts:
+        for name in copiers:
+            original = build().start()
+            original.run(max_steps=k)
+            clone = COPIERS[name](original)
+            for who, drv in (("copy", clone), ("original", original)):
+                drv.run()
+                problems = diff(expected, outcome(drv))
+                if problems:
+                    raise AssertionError(f"the {who} resumed after {k} steps via {name} differs from an "
+                                         f"uninterrupted run:\n  " + "\n  ".join(problems))
+    return expected
