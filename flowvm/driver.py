@@ -155,7 +155,11 @@ class Driver:
             el = stack[-1][0]
             leaf = leaf_function(el, regs)
             if not self._weave and len(stack) > 1 and type(stack[-2][0]) is REPEAT:
-                self._repeat_leaf(stack[-2], leaf, limit)
+                try:
+                    self._repeat_leaf(stack[-2], leaf, limit)
+                except Exception as err:  # annotated once the state is written back
+                    self._annotate(err, "running")
+                    raise
                 if self.steps >= limit:
                     return INCOMPLETE
             try:
@@ -218,9 +222,6 @@ class Driver:
                     value = leaf()
                     i += 1
                     regs[name] = i
-        except Exception as err:
-            self._annotate(err, "running")
-            raise
         finally:
             parent[1] = i
             parent[3] = value

@@ -72,7 +72,7 @@ def header(el: Element) -> str:
     if isinstance(el, PRINT):
         return "PRINT " + ", ".join(fmt(o) for o in el.objs)
     if isinstance(el, SEQ):
-        return "SEQ:"
+        return "SEQ:" if el.elements else "SEQ: pass"
     if isinstance(el, REPEAT):
         counter = f" (counter {el.counter.name})" if el.counter is not None else ""
         return f"REPEAT {_count(el.n)}{counter}:"

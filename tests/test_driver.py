@@ -1,0 +1,157 @@
+"""The driver: stepping, running, errors and retries, copying."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import cloudpickle
+import pytest
+
+import flowvm
+from flowvm import CALL, INCOMPLETE, REPEAT, SEQ, SWITCH, WEAVE, Registers
+
+import toy
+
+
+class Flaky:
+    """Raises on the calls listed in fail_on (1-based), else returns its argument."""
+
+    def __init__(self, fail_on):
+        self.calls = 0
+        self.fail_on = set(fail_on)
+
+    def __call__(self, value):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise ValueError(f"flaky failure on call {self.calls}")
+        return value
+
+
+def test_step_returns_incomplete_then_value_and_is_idempotent_when_done():
+    reg = Registers(x=0)
+    prog = REPEAT(3, CALL(toy.inc, reg("x"), store_to=reg("x")))
+    drv = prog.start()
+    assert drv.steps == 0 and not drv.done and reg["x"] == 0
+    assert [drv.step() for _ in range(3)] == [INCOMPLETE, INCOMPLETE, 3]
+    assert drv.done and drv.result == 3 and drv.steps == 3
+    assert drv.step() == 3 and drv.run() == 3 and drv.steps == 3 and reg["x"] == 3
+
+
+def test_run_max_steps_takes_at_most_k_steps():
+    reg = Registers(x=0)
+    drv = SEQ([REPEAT(5, CALL(toy.inc, reg("x"), store_to=reg("x"))), CALL(toy.const, "end")]).start()
+    assert drv.run(max_steps=0) is INCOMPLETE and drv.steps == 0
+    assert drv.run(max_steps=2) is INCOMPLETE and drv.steps == 2 and reg["x"] == 2
+    assert drv.run(max_steps=3) is INCOMPLETE and drv.steps == 5
+    assert drv.run(max_steps=10) == "end" and drv.steps == 6
+    with pytest.raises(ValueError):
+        drv.run(max_steps=-1)
+
+
+def test_program_without_leaves_finishes_on_first_step():
+    drv = REPEAT(0, CALL(toy.inc, 1)).start()
+    assert drv.step() is None and drv.done and drv.steps == 0
+
+
+@pytest.mark.parametrize("via", ["step", "run"])
+def test_call_error_keeps_type_adds_note_and_retries(via):
+    flaky = Flaky(fail_on=[2])
+    reg = Registers()
+    prog = SEQ([CALL(toy.const, 1), REPEAT(3, CALL(flaky, reg("i")), counter=reg("i"))])
+    drv = prog.start()
+    with pytest.raises(ValueError, match="flaky failure") as info:
+        while drv.step() is INCOMPLETE if via == "step" else drv.run() is INCOMPLETE:
+            pass
+    notes = "\n".join(info.value.__notes__)
+    assert "path '1.0'" in notes and "Flaky(i)" in notes and "step 3" in notes
+    assert drv.steps == 2 and reg["i"] == 1
+    blob = pickle.dumps(drv)  # still picklable after an error
+    assert pickle.loads(blob).steps == 2
+    assert drv.run() == 2 and drv.steps == 4 and flaky.calls == 4
+
+
+def test_error_inside_weave_does_not_move_the_turn():
+    reg = Registers(log=[])
+    flaky = Flaky(fail_on=[2])
+    prog = WEAVE(-1, [REPEAT(3, CALL(toy.record, reg("log"), "a")),
+                      REPEAT(3, CALL(lambda log: log.append(flaky("b")), reg("log")))])
+    drv = prog.start()
+    drv.run(max_steps=3)  # a b a
+    with pytest.raises(ValueError):
+        drv.step()  # b fails
+    assert drv.steps == 3
+    drv.run()
+    assert "".join(reg["log"]) == "ababab"
+
+
+def test_transition_error_is_retried_with_steps_unchanged():
+    reg = Registers(n="three")
+    prog = SEQ([CALL(toy.const, 0), REPEAT(reg("n"), CALL(toy.const, 1))])
+    drv = prog.start()
+    assert drv.step() is INCOMPLETE and drv.steps == 1
+    with pytest.raises(TypeError, match="register 'n' holds str") as info:
+        drv.step()
+    assert "entering REPEAT n at path '1'" in "\n".join(info.value.__notes__)
+    assert drv.steps == 1
+    copy.deepcopy(drv)
+    reg["n"] = 2
+    assert drv.run() == 1 and drv.steps == 3
+
+
+def test_missing_register_names_register_and_path():
+    reg = Registers(x=1)
+    prog = SEQ([CALL(toy.inc, reg("x"), store_to=reg("y")), CALL(toy.inc, reg("y"))])
+    drv = prog.start()
+    drv.step()
+    del reg["y"]
+    with pytest.raises(KeyError) as info:
+        drv.step()
+    assert "'y'" in str(info.value) and "path '1'" in "\n".join(info.value.__notes__)
+
+
+@pytest.mark.parametrize("how", ["pickle", "cloudpickle", "deepcopy"])
+def test_copies_resume_where_the_original_stopped(how):
+    reg = Registers(x=0, log=[])
+    prog = SEQ([
+        REPEAT(4, CALL(lambda x: x + 1, reg("x"), store_to=reg("x"))),       # a lambda: cloudpickle/deepcopy only
+        WEAVE(-1, [REPEAT(3, CALL(toy.record, reg("log"), "a")), REPEAT(2, CALL(toy.record, reg("log"), "b"))]),
+        SWITCH(reg("x"), {4: CALL(toy.const, "four")}),
+    ]) if how != "pickle" else SEQ([
+        REPEAT(4, CALL(toy.inc, reg("x"), store_to=reg("x"))),
+        WEAVE(-1, [REPEAT(3, CALL(toy.record, reg("log"), "a")), REPEAT(2, CALL(toy.record, reg("log"), "b"))]),
+        SWITCH(reg("x"), {4: CALL(toy.const, "four")}),
+    ])
+    drv = prog.start()
+    drv.run(max_steps=6)
+    dup = {"pickle": lambda d: pickle.loads(pickle.dumps(d)),
+           "cloudpickle": lambda d: cloudpickle.loads(cloudpickle.dumps(d)),
+           "deepcopy": copy.deepcopy}[how](drv)
+    assert dup.registers is not drv.registers and dup.steps == 6
+    assert dup.run() == drv.run() == "four"
+    assert dup.registers["log"] == drv.registers["log"] == list("ababa")
+    assert dup.steps == drv.steps == 10
+
+
+def test_pickled_driver_state_is_small_and_has_no_caches():
+    reg = Registers(x=0)
+    prog = REPEAT(10, CALL(toy.inc, reg("x"), store_to=reg("x")))
+    drv = prog.start()
+    drv.run(max_steps=4)
+    assert "_c_leaf" in prog.body.__dict__  # a compiled call cache exists...
+    clone = pickle.loads(pickle.dumps(drv))
+    assert "_c_leaf" not in clone.program.body.__dict__  # ...and does not travel
+    assert clone.run() == 10
+
+
+def test_driver_listing_marks_position_and_step():
+    reg = Registers(x=0)
+    prog = SEQ([REPEAT(3, CALL(toy.inc, reg("x"), store_to=reg("x"))), CALL(toy.const, "end")])
+    drv = prog.start()
+    drv.run(max_steps=2)
+    text = str(drv)
+    assert text.splitlines()[0] == "# flowvm driver: step 2, next: path '0.0'"
+    assert ">>         x = inc(x)" in text and "# 2 of 3 done" in text
+    assert drv.position == "0.0"
+    drv.run()
+    assert "finished after 4 steps" in str(drv)
