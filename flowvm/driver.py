@@ -99,35 +99,33 @@ class Driver:
         self._rotate = False
         self._weave = any(isinstance(el, WEAVE) for _, el in walk(program))
 
+    # Caches, never pickled: the compiled function of the leaf the next step
+    # runs, and the REPEAT frame directly around it (for the fast path).
+    _leaf = None
+    _fast = None
+
     # ------------------------------------------------------------------ public
     def step(self) -> Any:
         """Run one leaf action; return INCOMPLETE, or the program's value once it is finished."""
-        if self.done:
+        fast = self._fast
+        if fast is not None and fast[1] + 1 < fast[2]:
+            # Fast path: a leaf repeated by its REPEAT parent stays on the stack.
+            try:
+                value = self._leaf()
+            except Exception as err:
+                self._annotate(err, "running")
+                raise
+            self.steps += 1
+            i = fast[1] = fast[1] + 1
+            fast[3] = value
+            counter = fast[0].counter
+            if counter is not None:
+                self.registers[counter.name] = i
+            return INCOMPLETE
+        if self._leaf is None and not self._prepare():
             return self.result
-        if not self._ready:
-            self._settle()
-            if self.done:
-                return self.result
-        stack = self._stack
-        el = stack[-1][0]
-        if not self._weave and len(stack) > 1:
-            parent = stack[-2]
-            if type(parent[0]) is REPEAT and parent[1] + 1 < parent[2]:
-                # Fast path: a leaf repeated by its parent stays on the stack.
-                try:
-                    value = leaf_function(el, self.registers)()
-                except Exception as err:
-                    self._annotate(err, "running")
-                    raise
-                self.steps += 1
-                i = parent[1] = parent[1] + 1
-                parent[3] = value
-                counter = parent[0].counter
-                if counter is not None:
-                    self.registers[counter.name] = i
-                return INCOMPLETE
         try:
-            value = leaf_function(el, self.registers)()
+            value = self._leaf()
         except Exception as err:
             self._annotate(err, "running")
             raise
@@ -143,32 +141,26 @@ class Driver:
                                       or max_steps < 0):
             raise ValueError(f"max_steps must be None or an int >= 0, got {max_steps!r}")
         limit = float("inf") if max_steps is None else self.steps + max_steps
-        stack = self._stack
-        regs = self.registers
-        while not self.done:
-            if not self._ready:
-                self._settle()
-                if self.done:
-                    break
+        while True:
+            if self._leaf is None and not self._prepare():
+                return self.result
             if self.steps >= limit:
                 return INCOMPLETE
-            el = stack[-1][0]
-            leaf = leaf_function(el, regs)
-            if not self._weave and len(stack) > 1 and type(stack[-2][0]) is REPEAT:
+            fast = self._fast
+            if fast is not None:
                 try:
-                    self._repeat_leaf(stack[-2], leaf, limit)
+                    self._repeat_leaf(fast, limit)
                 except Exception as err:  # annotated once the state is written back
                     self._annotate(err, "running")
                     raise
                 if self.steps >= limit:
                     return INCOMPLETE
             try:
-                value = leaf()
+                value = self._leaf()
             except Exception as err:
                 self._annotate(err, "running")
                 raise
             self._after_leaf(value)
-        return self.result
 
     @property
     def position(self) -> str | None:
@@ -197,11 +189,29 @@ class Driver:
         return f"<flowvm.Driver {self.program.kind} step {self.steps} {state}>"
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__)
+        state = dict(self.__dict__)
+        state.pop("_leaf", None)
+        state.pop("_fast", None)
+        return state
 
     # ----------------------------------------------------------------- engine
-    def _repeat_leaf(self, parent: list, leaf, limit) -> None:
+    def _prepare(self) -> bool:
+        """Settle if needed and fill the caches for the next leaf; False when the program is finished."""
+        if self.done:
+            return False
+        if not self._ready:
+            self._settle()
+            if self.done:
+                return False
+        stack = self._stack
+        self._leaf = leaf_function(stack[-1][0], self.registers)
+        if not self._weave and len(stack) > 1 and type(stack[-2][0]) is REPEAT:
+            self._fast = stack[-2]
+        return True
+
+    def _repeat_leaf(self, parent: list, limit) -> None:
         """Run a leaf repeated by a REPEAT frame in a tight loop, up to (not including) its last iteration."""
+        leaf = self._leaf
         i = start = parent[1]
         stop = parent[2] - 1
         if limit - self.steps < stop - i:
@@ -232,10 +242,11 @@ class Driver:
         self._stack.pop()
         self._carry = value
         self._ready = False
+        self._leaf = self._fast = None
         if self._weave:
             self._credit_weaves()
         try:
-            self._settle()
+            self._prepare()
         except Exception:
             # Retried, and raised, at the start of the next step: this step did run its leaf.
             pass
@@ -244,35 +255,37 @@ class Driver:
         """Hand finished values up, take WEAVE turns, and descend to the next leaf."""
         stack = self._stack
         value = self._carry
+        nexts, starts, pushed, novalue = _NEXT, _START, _PUSHED, _NOVALUE
         try:
             while True:
-                if value is not _NOVALUE:
+                if value is not novalue:
                     if not stack:
                         self.done = True
                         self.result = value
-                        self._carry = _NOVALUE
+                        self._carry = novalue
                         self._ready = True
                         return
                     fr = stack[-1]
-                    r = _NEXT[type(fr[0])](self, fr, value)
+                    r = nexts[fr[0].__class__](self, fr, value)
                 else:
                     if self._rotate:
                         self._rotate_weaves()
                     fr = stack[-1]
                     el = fr[0]
                     if el.is_leaf:
+                        self._carry = novalue
                         self._ready = True
                         return
-                    r = _START[type(el)](self, fr)
-                if r is _PUSHED:
-                    value = _NOVALUE
+                    r = starts[el.__class__](self, fr)
+                if r is pushed:
+                    value = novalue
                 else:
                     stack.pop()
                     value = r
-                self._carry = value
         except Exception as err:
+            self._carry = value  # the move that failed is retried from here
             if not getattr(err, "_flowvm_noted", False):
-                self._annotate(err, "finishing" if value is not _NOVALUE else "entering")
+                self._annotate(err, "finishing" if value is not novalue else "entering")
             raise
 
     def _credit_weaves(self) -> None:
@@ -348,17 +361,13 @@ def _count(drv: Driver, el: Element) -> int:
     return n
 
 
-def _push(drv: Driver, el: Element):
-    drv._stack.append([el])
-    return _PUSHED
-
-
 def _start_seq(drv, fr):
     el = fr[0]
     if not el.elements:
         return None
     fr.append(0)
-    return _push(drv, el.elements[0])
+    drv._stack.append([el.elements[0]])
+    return _PUSHED
 
 
 def _next_seq(drv, fr, value):
@@ -367,7 +376,8 @@ def _next_seq(drv, fr, value):
     if pos == len(el.elements):
         return value
     fr[1] = pos
-    return _push(drv, el.elements[pos])
+    drv._stack.append([el.elements[pos]])
+    return _PUSHED
 
 
 def _start_repeat(drv, fr):
@@ -378,7 +388,8 @@ def _start_repeat(drv, fr):
     if n == 0:
         return None
     fr.extend((0, n, None))
-    return _push(drv, el.body)
+    drv._stack.append([el.body])
+    return _PUSHED
 
 
 def _next_repeat(drv, fr, value):
@@ -388,7 +399,8 @@ def _next_repeat(drv, fr, value):
     if el.counter is not None:
         drv.registers[el.counter.name] = i
     if i < fr[2]:
-        return _push(drv, el.body)
+        drv._stack.append([el.body])
+        return _PUSHED
     return value
 
 
@@ -398,7 +410,8 @@ def _start_buffer(drv, fr):
     if n == 0:
         return _store(drv, el, [])
     fr.extend((0, n, []))
-    return _push(drv, el.body)
+    drv._stack.append([el.body])
+    return _PUSHED
 
 
 def _next_buffer(drv, fr, value):
@@ -406,7 +419,8 @@ def _next_buffer(drv, fr, value):
     fr[3].append(value)
     i = fr[1] = fr[1] + 1
     if i < fr[2]:
-        return _push(drv, el.body)
+        drv._stack.append([el.body])
+        return _PUSHED
     return _store(drv, el, collect(fr[3]))
 
 
@@ -434,7 +448,8 @@ def collect(values: list) -> Any:
 
 def _start_loop(drv, fr):
     fr.extend((drv.steps, 0))
-    return _push(drv, fr[0].body)
+    drv._stack.append([fr[0].body])
+    return _PUSHED
 
 
 def _next_loop(drv, fr, value):
@@ -443,12 +458,14 @@ def _next_loop(drv, fr, value):
                         "(does a REPEAT or BUFFER count in it hold 0?)")
     fr[1] = drv.steps
     fr[2] += 1
-    return _push(drv, fr[0].body)
+    drv._stack.append([fr[0].body])
+    return _PUSHED
 
 
 def _start_while(drv, fr):
     fr.extend((0, None, 0))
-    return _push(drv, fr[0].cond)
+    drv._stack.append([fr[0].cond])
+    return _PUSHED
 
 
 def _next_while(drv, fr, value):
@@ -456,12 +473,14 @@ def _next_while(drv, fr, value):
     if fr[1] == 0:
         if value:
             fr[1] = 1
-            return _push(drv, el.body)
+            drv._stack.append([el.body])
+            return _PUSHED
         return fr[2]
     fr[2] = value
     fr[3] += 1
     fr[1] = 0
-    return _push(drv, el.cond)
+    drv._stack.append([el.cond])
+    return _PUSHED
 
 
 def _switch_case(el: SWITCH, value: Any) -> int:
@@ -477,10 +496,12 @@ def _start_switch(drv, fr):
     el = fr[0]
     if isinstance(el.selector, CALL):
         fr.append(0)
-        return _push(drv, el.selector)
+        drv._stack.append([el.selector])
+        return _PUSHED
     idx = _switch_case(el, read_register(drv, el.selector, "SWITCH selector"))
     fr.append(idx)
-    return _push(drv, el.children[idx])
+    drv._stack.append([el.children[idx]])
+    return _PUSHED
 
 
 def _next_switch(drv, fr, value):
@@ -488,7 +509,8 @@ def _next_switch(drv, fr, value):
     if fr[1] == 0 and isinstance(el.selector, CALL):
         idx = _switch_case(el, value)
         fr[1] = idx
-        return _push(drv, el.children[idx])
+        drv._stack.append([el.children[idx]])
+        return _PUSHED
     return value
 
 
