@@ -13,6 +13,16 @@ from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHI
 from .errors import CheckpointError, FlowError, RegisterError, SwitchError, VerifyError
 from .registers import Register, Registers
 from .verify import verify
+from .depends import Depends
+from .edit import ANY, EditError
+from . import hotpatch as _hotpatch  # noqa: F401  (gives Driver find() and at())
+from .namespaces import isolate, template
+from .dot import to_dot, to_mermaid
+from .source import SourceError, from_source, to_source
+from .passes import PassError, list_passes, optimize, register_pass
+from .passes.fuse_torch import FUSED, fusable
+from .processes import POPEN, SPAWN, CommandError, SpawnError
+from .data import Batches
 
 __version__ = "0.1.0"
 
@@ -21,5 +31,10 @@ __all__ = [
     "Register", "Registers", "INCOMPLETE", "Driver",
     "verify", "save", "load",
     "FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError",
+    "optimize", "list_passes", "register_pass", "PassError", "FUSED", "fusable",
+    "POPEN", "SPAWN", "CommandError", "SpawnError",
+    "Batches",
+    "Depends", "ANY", "EditError", "isolate", "template", "to_dot", "to_mermaid",
+    "to_source", "from_source", "SourceError",
     "__version__",
 ]

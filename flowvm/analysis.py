@@ -1,10 +1,14 @@
 """Static analysis: which registers elements read and write, and whether they can take a step.
 
 Used by the verifier, by ``start()`` to find the program's register file, and
-by later passes (SPAWN's choice of registers to ship, fusion).
+by later passes (SPAWN's choice of registers to ship, fusion).  The public
+queries at the end (``info``, ``analyze``, ``readers``, ``writers``) give the
+same results per element, with its path and its children's paths.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from .elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
 from .registers import Register, Registers
@@ -82,3 +86,74 @@ def may_finish(el: Element) -> bool:
         return sum(may_finish(c) for c in el.children) >= el.required
     return True
 
+
+# ------------------------------------------------------------- public queries
+class ElementInfo(NamedTuple):
+    """What the analysis knows about one element of a program.
+
+    ``reads``/``writes`` cover the element and everything inside it;
+    ``own_reads``/``own_writes`` the element alone (a REPEAT's count and
+    counter, a CALL's arguments and ``store_to``); ``children`` are the
+    children's paths, in path order.
+    """
+
+    path: tuple
+    element: Element
+    parent: tuple | None
+    children: tuple
+    own_reads: frozenset
+    own_writes: frozenset
+    reads: frozenset
+    writes: frozenset
+
+    @property
+    def kind(self) -> str:
+        return self.element.kind
+
+    @property
+    def path_text(self) -> str:
+        from .paths import format_path
+
+        return format_path(self.path)
+
+
+def info(program: Element, path=()) -> ElementInfo:
+    """The ElementInfo of the element at path ("0.2.1" or a tuple; the root by default).
+
+    >>> from flowvm import CALL, REPEAT, Registers
+    >>> reg = Registers(x=1)
+    >>> i = info(REPEAT(2, CALL(abs, reg('x'), store_to=reg('y'))), "0")
+    >>> i.kind, i.path_text, sorted(i.reads), sorted(i.writes), i.parent
+    ('CALL', '0', ['x'], ['y'], ())
+    """
+    from .paths import get, parse_path
+
+    path = parse_path(path)
+    return _info(path, get(program, path))
+
+
+def _info(path: tuple, el: Element) -> ElementInfo:
+    return ElementInfo(path, el, path[:-1] if path else None, tuple(path + (i,) for i in range(len(el.children))),
+                       frozenset(r.name for r in el.own_reads()), frozenset(r.name for r in el.own_writes()),
+                       frozenset(reads(el)), frozenset(writes(el)))
+
+
+def analyze(program: Element) -> list[ElementInfo]:
+    """The ElementInfo of every element, parents before children (walk order)."""
+    from .paths import walk
+
+    return [_info(p, el) for p, el in walk(program)]
+
+
+def readers(program: Element, name: str) -> list[tuple]:
+    """Paths of the elements that read register name themselves (own_reads), in walk order."""
+    from .paths import walk
+
+    return [p for p, el in walk(program) if any(r.name == name for r in el.own_reads())]
+
+
+def writers(program: Element, name: str) -> list[tuple]:
+    """Paths of the elements that write register name themselves (own_writes), in walk order."""
+    from .paths import walk
+
+    return [p for p, el in walk(program) if any(r.name == name for r in el.own_writes())]

@@ -2,13 +2,17 @@
 
 File layout (all integers big-endian)::
 
-    MAGIC (8 bytes) | header length (4) | header (JSON, UTF-8) | payload (pickle)
+    MAGIC (8 bytes) | header length (4) | header (JSON, UTF-8) | SHA-256 of the bytes so far (32)
+    | payload (pickle)
     | SHA-256 of everything before it (32) | HMAC-SHA256 of the same bytes (32, signed files only)
 
 The header records the format version, the flowvm and Python versions that
-wrote the file, the payload size and whether it is signed.  ``load`` checks,
-in order: the magic, the header, the format version, the size, the checksum
-and (with a key) the signature, and only then unpickles anything.
+wrote the file, the payload size and whether it is signed.  The part up to
+the header's own checksum is the same in every format version, so any
+flowvm can tell a newer file from a damaged one.  ``load`` checks, in order:
+the magic, the header checksum, the format version, the size, the checksum
+of the whole file and (with a key) the signature, and only then unpickles
+anything.
 
 Security: unpickling runs code chosen by whoever wrote the file.  Never load
 an unsigned checkpoint from a source you do not trust; pass ``key`` to both
@@ -80,9 +84,138 @@ def _key_bytes(key: bytes | str | None) -> bytes | None:
     return bytes(key)
 
 
+def global_generator(name: str) -> Any:
+    """The process-wide generator object named name ("random" or "numpy")."""
+    if name == "random":
+        return random._inst
+    import numpy as np
+
+    return np.random.mtrand._rand
+
+
+def _global_generator_name(obj: Any) -> str | None:
+    if obj is random._inst:
+        return "random"
+    np = sys.modules.get("numpy")
+    if np is not None and obj is np.random.mtrand._rand:
+        return "numpy"
+    return None
+
+
+class _WithoutGrad:
+    """Pickles as its tensor would, leaving out the tensor's .grad."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __reduce_ex__(self, protocol):
+        return self.tensor.__reduce_ex__(protocol)
+
+
+def with_grad(tensor, grad):
+    tensor.grad = grad
+    return tensor
+
+
+def _set_lbfgs_state(opt, state) -> None:
+    opt.__setstate__(state)
+    opt._params = opt.param_groups[0]["params"]
+    opt._numel_cache = None
+
+
+def rebuild_driver(state: dict):
+    from .driver import Driver
+
+    drv = Driver.__new__(Driver)
+    drv.__dict__.update(state)
+    return drv
+
+
+class _Pickler(cloudpickle.Pickler):
+    """How every copy of a driver is made (pickle, cloudpickle, deepcopy, checkpoints):
+    cloudpickle (lambdas and closures by value) plus two rules that exact resume needs.
+
+    - The global generators behind random.random, np.random.rand, ... are written
+      as references wherever they occur (in a partial, as an argument, as a
+      register's value).  By value, a loaded program would draw from private
+      copies, out of step with the restored global generators.
+    - A leaf tensor's .grad is kept (torch's own pickling drops it), so a run cut
+      between backward() and the optimizer's step() resumes exactly.
+    """
+
+    def __init__(self, file, protocol=None, buffer_callback=None):
+        # cloudpickle's table is a ChainMap, looked up (in Python) for every
+        # object; the same entries in a plain dict cost a C lookup.  The C
+        # pickler reads the table when it is initialised.
+        self.dispatch_table = dict(cloudpickle.Pickler.dispatch_table)
+        super().__init__(file, protocol=protocol, buffer_callback=buffer_callback)
+
+    def reducer_override(self, obj):
+        # Called for every object written: keep the common case (elements,
+        # containers, plain values) to a type lookup.
+        t = type(obj)
+        try:
+            rule = _RULES[t]
+        except KeyError:
+            rule = _RULES[t] = _rule_for(t)
+        if rule is not None:
+            reduced = rule(obj)
+            if reduced is not NotImplemented:
+                return reduced
+        return super().reducer_override(obj)
+
+
+def _rule_for(t: type):
+    """The special reduction for objects of type t, or None (decided once per type)."""
+    from .driver import Driver
+
+    if t is Driver:
+        return lambda drv: (rebuild_driver, (drv.__getstate__(),))
+    if issubclass(t, random.Random) or (t.__module__ or "").startswith("numpy.random"):
+        return _reduce_generator
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(t, torch.Tensor):
+        return _reduce_tensor
+    if torch is not None and issubclass(t, torch.optim.LBFGS):
+        return _reduce_lbfgs
+    return None
+
+
+_RULES: dict = {}
+
+
+def _reduce_generator(obj):
+    name = _global_generator_name(obj)
+    return (global_generator, (name,)) if name is not None else NotImplemented
+
+
+def _reduce_tensor(obj):
+    if obj.is_leaf and obj.grad is not None:
+        return with_grad, (_WithoutGrad(obj), obj.grad)
+    return NotImplemented
+
+
+def _reduce_lbfgs(obj):
+    # torch pickles an optimizer's defaults, state and groups only; LBFGS
+    # also needs its parameter list back, or its next step fails.
+    func, args, state, *rest = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return func, args, state, None, None, _set_lbfgs_state
+
+
+def pickle_bytes(obj: Any) -> bytes:
+    """obj pickled as in a checkpoint (cloudpickle, global generators by reference)."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def load_driver_bytes(data: bytes):
+    return pickle.loads(data)
+
+
 def _payload(driver, path) -> bytes:
     try:
-        return cloudpickle.dumps({"driver": driver, "rng": capture_rng()}, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle_bytes({"driver": driver, "rng": capture_rng()})
     except Exception as err:
         culprit = ""
         for name, value in dict(driver.registers).items():
@@ -112,7 +245,8 @@ def _encode(driver, key, path, meta=None) -> bytes:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": driver.steps, "done": driver.done,
         "program": driver.program.kind, "payload_bytes": len(payload), "signed": key is not None, "meta": meta or {},
     }).encode()
-    body = MAGIC + struct.pack(">I", len(header)) + header + payload
+    head = MAGIC + struct.pack(">I", len(header)) + header
+    body = head + hashlib.sha256(head).digest() + payload
     out = body + hashlib.sha256(body).digest()
     if key is not None:
         out += hmac.new(key, body, hashlib.sha256).digest()
@@ -157,24 +291,38 @@ def save(driver, path: str | os.PathLike, key: bytes | str | None = None, meta: 
 
 def read_header(path: str | os.PathLike) -> dict:
     """The header of a checkpoint file, after checking it is complete and uncorrupted."""
-    data = Path(path).read_bytes()
-    header, _ = _check(data, path, None)
+    header, _ = _check(_read(path), path, None)
     return header
 
 
-def _check(data: bytes, path, key: bytes | None) -> tuple[dict, bytes]:
-    if len(data) < len(MAGIC) + 4:
-        if MAGIC.startswith(data[: len(MAGIC)]):
-            raise CheckpointError(path, f"truncated: only {len(data)} bytes")
-        raise CheckpointError(path, "not a flowvm checkpoint (no flowvm magic header)")
-    if data[: len(MAGIC)] != MAGIC:
-        raise CheckpointError(path, "not a flowvm checkpoint (no flowvm magic header)")
-    (hlen,) = struct.unpack(">I", data[len(MAGIC): len(MAGIC) + 4])
-    start = len(MAGIC) + 4
-    if start + hlen > len(data):
-        raise CheckpointError(path, f"truncated or corrupted: header of {hlen} bytes runs past the end of the file")
+def _read(path) -> bytes:
     try:
-        header = json.loads(data[start: start + hlen].decode())
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(path, "no such file") from None
+    except IsADirectoryError:
+        raise CheckpointError(path, "is a directory, not a checkpoint file") from None
+    except PermissionError:
+        raise CheckpointError(path, "permission denied") from None
+
+
+def _check(data: bytes, path, key: bytes | None) -> tuple[dict, bytes]:
+    if not data:
+        raise CheckpointError(path, "empty file, not a flowvm checkpoint")
+    if data[: len(MAGIC)] != MAGIC[: len(data)]:
+        raise CheckpointError(path, "not a flowvm checkpoint (no flowvm magic header)")
+    start = len(MAGIC) + 4
+    if len(data) < start:
+        raise CheckpointError(path, f"truncated: only {len(data)} bytes")
+    (hlen,) = struct.unpack(">I", data[len(MAGIC): start])
+    head_end = start + hlen
+    if head_end + _DIGEST > len(data):
+        raise CheckpointError(path, f"truncated or corrupted: a header of {hlen} bytes does not fit in "
+                                    f"{len(data)} bytes")
+    if not hmac.compare_digest(hashlib.sha256(data[:head_end]).digest(), data[head_end: head_end + _DIGEST]):
+        raise CheckpointError(path, "corrupted: header checksum mismatch")
+    try:
+        header = json.loads(data[start: head_end].decode())
         fmt = header["format"]
         nbytes = header["payload_bytes"]
         signed = header["signed"]
@@ -187,7 +335,8 @@ def _check(data: bytes, path, key: bytes | None) -> tuple[dict, bytes]:
                                     f"reads formats up to {FORMAT}: upgrade flowvm to load it")
     if fmt < 1:
         raise CheckpointError(path, f"corrupted: unknown format {fmt}")
-    body_end = start + hlen + nbytes
+    payload_start = head_end + _DIGEST
+    body_end = payload_start + nbytes
     expected = body_end + _DIGEST * (2 if signed else 1)
     if len(data) < expected:
         raise CheckpointError(path, f"truncated: {len(data)} bytes, expected {expected}")
@@ -202,7 +351,7 @@ def _check(data: bytes, path, key: bytes | None) -> tuple[dict, bytes]:
         mac = hmac.new(key, body, hashlib.sha256).digest()
         if not hmac.compare_digest(mac, data[body_end + _DIGEST:]):
             raise CheckpointError(path, "refused: the signature does not match (tampered file or wrong key)")
-    return header, data[start + hlen: body_end]
+    return header, data[payload_start: body_end]
 
 
 def loads(data: bytes, key: bytes | str | None = None, restore_random: bool = True, path: Any = "<bytes>"):
@@ -215,6 +364,10 @@ def loads(data: bytes, key: bytes | str | None = None, restore_random: bool = Tr
         raise CheckpointError(path, f"cannot unpickle the saved run ({type(err).__name__}: {err}); "
                                     f"it was written by flowvm {header.get('flowvm')} on Python "
                                     f"{header.get('python')}") from err
+    from .driver import Driver
+
+    if not isinstance(driver, Driver) or not isinstance(rng, dict) or "random" not in rng:
+        raise CheckpointError(path, f"holds a {type(driver).__name__}, not a saved flowvm run")
     if restore_random:
         restore_rng(rng)
     return driver
@@ -228,10 +381,4 @@ def load(path: str | os.PathLike, key: bytes | str | None = None, restore_random
     loaded after its checksum is checked.  Loading an unsigned file from an
     untrusted source runs arbitrary code, as with any pickle.
     """
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(path, "no such file") from None
-    except IsADirectoryError:
-        raise CheckpointError(path, "is a directory, not a checkpoint file") from None
-    return loads(data, key, restore_random, path)
+    return loads(_read(path), key, restore_random, path)

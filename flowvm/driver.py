@@ -10,6 +10,23 @@ State of a run (all plain data, so a half-run driver pickles and copies):
 - WEAVE frames hold the paused frames of their inactive children as
   *segments*; the active child's frames sit on the main stack above the WEAVE.
 
+Leaves: CALL and PRINT run through closures compiled by compile.py.  Any
+other leaf kind (a fused torch step, POPEN, SPAWN) implements the *leaf
+protocol*: ``el.bind(driver, frame)`` returns a zero-argument function that
+the driver calls once per step; it returns the leaf's value when the leaf is
+finished, or ``PENDING`` when it only polled something still running (that
+poll counts as a step and the leaf stays on the stack).  Live handles a leaf
+needs between polls (a process, a future) go in ``driver.live`` keyed by
+``id(frame)``: a cache, never pickled, so a loaded driver finds none and the
+leaf starts its work again.  ``el.abandon(driver, frame)``, when defined, is
+called for a leaf frame dropped by a finishing WEAVE.  A live handle may
+define ``ready_future()``, returning a ``concurrent.futures.Future`` that is
+done once the leaf's next poll will not return PENDING: when every runnable
+leaf has polled PENDING since the last one that made progress, ``run()``
+blocks on those futures (and ``arun()`` awaits them) instead of polling in a
+busy loop.  Leaves whose handles have no such hook are polled with a short
+back-off (see flowvm/idle.py) while nothing else can run.
+
 One step runs the leaf on top of the stack and then *settles*: finished
 frames hand their values up, enclosing WEAVEs take their turn, and the
 driver descends to the next leaf.  Every move is atomic, so an exception
@@ -32,13 +49,14 @@ from __future__ import annotations
 
 import numbers
 import sys
+from time import monotonic
 from typing import Any
 
-from . import analysis
 from .compile import leaf_function
 from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
 from .errors import FlowError, RegisterError, SwitchError
-from .paths import format_path, walk
+from .idle import Idle as _Idle
+from .paths import format_path
 from .registers import Register, Registers
 
 
@@ -62,6 +80,7 @@ class _Sentinel:
 
 
 INCOMPLETE = _Sentinel("INCOMPLETE")
+PENDING = _Sentinel("PENDING")
 _NOVALUE = _Sentinel("_NOVALUE")
 _PUSHED = _Sentinel("_PUSHED")
 
@@ -89,7 +108,9 @@ class Driver:
 
         self.registers: Registers = program_registers(program)
         verify(program, self.registers)
-        self.program = program
+        # A copy of the root alone (its children are shared): an edit of the
+        # user's program, which changes that root in place, leaves this run be.
+        self.program = program = _root_copy(program)
         self.steps = 0
         self.done = False
         self.result: Any = None
@@ -97,7 +118,16 @@ class Driver:
         self._carry: Any = _NOVALUE
         self._ready = False
         self._rotate = False
-        self._weave = any(isinstance(el, WEAVE) for _, el in walk(program))
+        self._weave = _has_weave(program)
+
+    # Live handles of leaves between polls (see the leaf protocol above): a
+    # cache dropped when pickled.
+    @property
+    def live(self) -> dict:
+        live = self.__dict__.get("_live")
+        if live is None:
+            live = self.__dict__["_live"] = {}
+        return live
 
     # Caches, never pickled: the compiled function of the leaf the next step
     # runs, and the REPEAT frame directly around it (for the fast path).
@@ -129,38 +159,109 @@ class Driver:
         except Exception as err:
             self._annotate(err, "running")
             raise
+        if value is PENDING:
+            self._after_poll()
+            return INCOMPLETE
         self._after_leaf(value)
         return self.result if self.done else INCOMPLETE
 
-    def run(self, max_steps: int | None = None) -> Any:
-        """Run until the program finishes or max_steps more steps were taken.
+    def run(self, max_steps: int | None = None, timeout: float | None = None) -> Any:
+        """Run until the program finishes, max_steps more steps were taken, or timeout seconds passed.
 
-        Returns the program's value when finished, else INCOMPLETE.
+        Returns the program's value when finished, else INCOMPLETE.  With a
+        timeout, run() returns within about one leaf action (or one
+        IDLE_SLICE of waiting) after it.  While every runnable leaf is a
+        pending POPEN or SPAWN, run() sleeps on them instead of polling.
         """
-        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral)
-                                      or max_steps < 0):
-            raise ValueError(f"max_steps must be None or an int >= 0, got {max_steps!r}")
-        limit = float("inf") if max_steps is None else self.steps + max_steps
+        return self._drive(_step_limit(self.steps, max_steps), _deadline(timeout), None, True)
+
+    async def arun(self, max_steps: int | None = None, timeout: float | None = None,
+                   steps_per_yield: int = 1) -> Any:
+        """Drive the program from asyncio: ``await drv.arun()``.
+
+        Yields to the event loop after every ``steps_per_yield`` steps (so
+        other tasks may inspect, save or stop the driver between any two
+        steps), and while every runnable leaf is a pending POPEN or SPAWN it
+        awaits them, taking no CPU, instead of polling.  Returns as run()
+        does; cancelling the task leaves the driver between two steps.
+
+        >>> import asyncio
+        >>> from flowvm import CALL, REPEAT, Registers
+        >>> reg = Registers(n=0)
+        >>> asyncio.run(REPEAT(3, CALL(lambda n: n + 1, reg('n'), store_to=reg('n'))).start().arun())
+        3
+        """
+        import asyncio
+
+        if isinstance(steps_per_yield, bool) or not isinstance(steps_per_yield, numbers.Integral) \
+                or steps_per_yield < 1:
+            raise ValueError(f"steps_per_yield must be an int >= 1, got {steps_per_yield!r}")
+        limit = _step_limit(self.steps, max_steps)
+        deadline = _deadline(timeout)
+        idle = _Idle()
+        while True:
+            idle.stopped = False
+            self._drive(min(limit, self.steps + steps_per_yield), deadline, idle, False)
+            if self.done:
+                return self.result
+            if self.steps >= limit or (deadline is not None and monotonic() >= deadline):
+                return INCOMPLETE
+            if idle.stopped:
+                await idle.wait_async(self, deadline)
+            else:
+                await asyncio.sleep(0)
+
+    def _drive(self, limit, deadline: float | None, idle: "_Idle | None", block: bool) -> Any:
+        """The loop of run() and arun(): with block=False it returns instead of waiting on pending leaves."""
+        chunk = 64  # REPEAT fast-path steps between two looks at the clock (with a deadline)
         while True:
             if self._leaf is None and not self._prepare():
                 return self.result
             if self.steps >= limit:
                 return INCOMPLETE
-            fast = self._fast
-            if fast is not None:
-                try:
-                    self._repeat_leaf(fast, limit)
-                except Exception as err:  # annotated once the state is written back
-                    self._annotate(err, "running")
-                    raise
-                if self.steps >= limit:
+            if deadline is not None:
+                if monotonic() >= deadline:
                     return INCOMPLETE
+                fast = self._fast
+                if fast is not None and fast[1] + 1 < fast[2]:
+                    t0 = monotonic()
+                    try:
+                        self._repeat_leaf(fast, min(limit, self.steps + chunk))
+                    except Exception as err:
+                        self._annotate(err, "running")
+                        raise
+                    took = monotonic() - t0
+                    chunk = min(chunk * 2, 1 << 20) if took < 0.0005 else max(chunk // 2, 1) if took > 0.002 \
+                        else chunk
+                    continue
+            else:
+                fast = self._fast
+                if fast is not None:
+                    try:
+                        self._repeat_leaf(fast, limit)
+                    except Exception as err:  # annotated once the state is written back
+                        self._annotate(err, "running")
+                        raise
+                    if self.steps >= limit:
+                        return INCOMPLETE
             try:
                 value = self._leaf()
             except Exception as err:
                 self._annotate(err, "running")
                 raise
-            self._after_leaf(value)
+            if value is PENDING:
+                key = id(self._stack[-1])
+                steps = self.steps
+                self._after_poll()
+                if idle is None:
+                    idle = _Idle()
+                if idle.full_circle(key, steps):
+                    if not block:
+                        idle.stopped = True
+                        return INCOMPLETE
+                    idle.wait(self, deadline)
+            else:
+                self._after_leaf(value)
 
     @property
     def position(self) -> str | None:
@@ -192,7 +293,18 @@ class Driver:
         state = dict(self.__dict__)
         state.pop("_leaf", None)
         state.pop("_fast", None)
+        state.pop("_live", None)
         return state
+
+    def __reduce_ex__(self, protocol):
+        # Whatever the outer pickler (pickle, cloudpickle, copy.deepcopy), the
+        # half-run state is written by flowvm's own pickler (checkpoint.py), so
+        # every copy keeps the same things: gradients, global generators, lambdas.
+        # The driver is one self-contained unit: an object it shares with
+        # something pickled beside it is copied, not shared.
+        from .checkpoint import load_driver_bytes, pickle_bytes
+
+        return load_driver_bytes, (pickle_bytes(self),)
 
     # ----------------------------------------------------------------- engine
     def _prepare(self) -> bool:
@@ -204,9 +316,13 @@ class Driver:
             if self.done:
                 return False
         stack = self._stack
-        self._leaf = leaf_function(stack[-1][0], self.registers)
-        if not self._weave and len(stack) > 1 and type(stack[-2][0]) is REPEAT:
-            self._fast = stack[-2]
+        el = stack[-1][0]
+        if type(el) is CALL or type(el) is PRINT:
+            self._leaf = leaf_function(el, self.registers)
+            if not self._weave and len(stack) > 1 and type(stack[-2][0]) is REPEAT:
+                self._fast = stack[-2]
+        else:
+            self._leaf = el.bind(self, stack[-1])
         return True
 
     def _repeat_leaf(self, parent: list, limit) -> None:
@@ -250,6 +366,19 @@ class Driver:
         except Exception:
             # Retried, and raised, at the start of the next step: this step did run its leaf.
             pass
+
+    def _after_poll(self) -> None:
+        """A leaf polled something still running: one step, the leaf stays where it is."""
+        self.steps += 1
+        if self._weave:
+            self._credit_weaves()
+            if self._rotate:
+                self._ready = False
+                self._leaf = self._fast = None
+                try:
+                    self._prepare()
+                except Exception:
+                    pass
 
     def _settle(self) -> None:
         """Hand finished values up, take WEAVE turns, and descend to the next leaf."""
@@ -328,6 +457,40 @@ class Driver:
             err._flowvm_noted = True
         except Exception:  # pragma: no cover - never hide the user's error
             pass
+
+
+def _root_copy(program: Element) -> Element:
+    """A new root object with the same fields and caches (compiled functions stay shared)."""
+    root = object.__new__(type(program))
+    root.__dict__.update(program.__dict__)
+    return root
+
+
+def _step_limit(steps: int, max_steps) -> float:
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral)
+                                  or max_steps < 0):
+        raise ValueError(f"max_steps must be None or an int >= 0, got {max_steps!r}")
+    return float("inf") if max_steps is None else steps + max_steps
+
+
+def _deadline(timeout) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    return monotonic() + float(timeout)
+
+
+def _has_weave(program: Element) -> bool:
+    """Whether the driver runs a WEAVE (fragments inside other leaves, such as a SPAWN's, do not count)."""
+    todo = [program]
+    while todo:
+        el = todo.pop()
+        if type(el) is WEAVE:
+            return True
+        if not el.is_leaf:
+            todo.extend(el.children)
+    return False
 
 
 # ---------------------------------------------------------------- element kinds
@@ -552,6 +715,7 @@ def _next_weave(drv, fr, value):
     fr[_W_ROTATE] = False
     fr[_W_NDONE] += 1
     if fr[_W_NDONE] >= fr[0].required:
+        _abandon(drv, fr)
         return list(fr[_W_VALUES])
     b = _weave_pick(fr, a + 1)
     fr[_W_ACTIVE] = b
@@ -559,6 +723,17 @@ def _next_weave(drv, fr, value):
     drv._stack.extend(segs[b])
     segs[b] = None
     return _PUSHED
+
+
+def _abandon(drv, fr) -> None:
+    """Tell the leaves of a finishing WEAVE's unfinished children that they are dropped."""
+    for seg in fr[_W_SEGS]:
+        for sub in seg or ():
+            el = sub[0]
+            if type(el) is WEAVE and len(sub) > 1:
+                _abandon(drv, sub)
+            elif el.is_leaf and hasattr(el, "abandon"):
+                el.abandon(drv, sub)
 
 
 _START = {SEQ: _start_seq, REPEAT: _start_repeat, BUFFER: _start_buffer, LOOP: _start_loop,

@@ -24,6 +24,7 @@ class Element:
 
     kind: str = "ELEMENT"
     is_leaf: bool = False
+    polls: bool = False  # a leaf whose steps may return PENDING (see driver.py)
     __slots__ = ("__dict__", "__weakref__")
 
     # -- immutability: elements are shared freely between programs and copies
@@ -77,6 +78,53 @@ class Element:
         """Run the program to the end and return its value."""
         return self.start().run(max_steps)
 
+    # -- editing and analysis (flowvm/edit.py, flowvm/namespaces.py, flowvm/analysis.py)
+    scope = None
+    """Set by ``isolate``/``template`` on the root of an instance: a ``flowvm.namespaces.Scope``."""
+
+    def with_scope(self, scope: Any) -> "Element":
+        """The same element marked as the root of an instance (``scope`` None: unmarked)."""
+        import copy
+
+        new = copy.copy(self)
+        new.__dict__["scope"] = scope
+        return new
+
+    def find(self, pattern: Any = None, *, where: Any = None, missing_ok: bool = False):
+        """Every element matching pattern (see ``flowvm.edit.find``); edit them through the result."""
+        from .edit import find
+
+        return find(self, pattern, where=where, missing_ok=missing_ok)
+
+    def at(self, *paths: Any):
+        """The elements at the given paths, as ``find`` returns them (see ``flowvm.edit.at``)."""
+        from .edit import at
+
+        return at(self, *paths)
+
+    def isolate(self, namespace: str, shared: Iterable[str] = ()) -> "Element":
+        """This sub-program with its registers moved into namespace (see ``flowvm.namespaces.isolate``)."""
+        from .namespaces import isolate
+
+        return isolate(self, namespace, shared)
+
+    def walk(self):
+        """(path, element) for this element and every element inside it, parents first."""
+        from .paths import walk
+
+        return walk(self)
+
+    def get(self, path: Any) -> "Element":
+        """The element at path ("0.2.1" or a tuple of child indices)."""
+        from .paths import get
+
+        return get(self, path)
+
+    @property
+    def dependency_overrides(self) -> dict:
+        """Replacements for ``Depends`` providers when this program runs (see ``flowvm.depends``)."""
+        return self.__dict__.setdefault("_overrides", {})
+
     # -- printing
     def __str__(self) -> str:
         from .printer import listing
@@ -121,6 +169,16 @@ class CALL(Element):
 
     kind = "CALL"
     is_leaf = True
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # A CALL with a Depends argument is a DependsCALL, a leaf that resolves
+        # its dependencies when it runs; plain CALLs stay on the compiled path.
+        if cls is CALL and (len(args) > 1 or kwargs):
+            from .depends import DependsCALL, has_depends
+
+            if has_depends(args[1:]) or has_depends(kwargs):
+                return super().__new__(DependsCALL)
+        return super().__new__(cls)
 
     def __init__(self, fn: Callable, *args: Any, store_to: Register | None = None, **kwargs: Any):
         if not callable(fn):

@@ -8,8 +8,31 @@ flowvm's own: a program that cannot run, a checkpoint that cannot be read.
 from __future__ import annotations
 
 
+def _rebuild(cls: type, args: tuple, state: dict) -> "FlowError":
+    """An unpickled FlowError: its args and attributes set back without calling ``__init__``."""
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
 class FlowError(Exception):
-    """Base class of flowvm's own errors."""
+    """Base class of flowvm's own errors.
+
+    Every FlowError pickles with its type, message and attributes (``path``,
+    ``register``...), whatever its ``__init__`` takes, so that one raised in
+    another process (a SPAWN fragment) arrives as itself.
+
+    >>> import pickle
+    >>> err = pickle.loads(pickle.dumps(RegisterError("x holds no value", "x", "0.1")))
+    >>> type(err).__name__, str(err), err.register, err.path
+    ('RegisterError', 'x holds no value', 'x', '0.1')
+    """
+
+    def __reduce__(self):
+        # BaseException.__reduce__ calls cls(*self.args), which fails for subclasses whose __init__
+        # takes other arguments than the message (RegisterError(message, register, path)).
+        return _rebuild, (type(self), self.args, self.__dict__)
 
 
 class VerifyError(FlowError):

@@ -27,8 +27,15 @@ def fn_name(fn: Any) -> str:
             and not isinstance(owner, types.ModuleType):
         owner_name = owner.__name__ if isinstance(owner, type) else type(owner).__name__
         return f"{owner_name}.{fn.__name__}"
+    objclass = getattr(fn, "__objclass__", None)
+    if isinstance(fn, (types.MethodDescriptorType, types.WrapperDescriptorType)) and objclass is not None:
+        name = objclass.__name__
+        return f"{'Tensor' if name == 'TensorBase' else name}.{fn.__name__}"  # str.upper, Tensor.add
     if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, type)):
         qual = getattr(fn, "__qualname__", None) or fn.__name__
+        if qual.startswith("_") and "." in qual and isinstance(fn, types.BuiltinFunctionType):
+            # a builtin kept in a hidden class of its module, such as torch.sin
+            return f"{fn.__module__}.{fn.__name__}" if getattr(fn, "__module__", None) else fn.__name__
         return qual.rsplit("<locals>.", 1)[-1]
     return type(fn).__name__
 
@@ -91,7 +98,8 @@ def header(el: Element) -> str:
         req = f"all of {n}" if el.n_required == -1 else f"{el.n_required} of {n}"
         weights = f" (weights {', '.join(fmt(w) for w in el.weights)})" if el.weights is not None else ""
         return f"WEAVE {req}{weights}:"
-    return el.kind  # pragma: no cover
+    text = getattr(el, "header_text", None)  # other kinds print themselves
+    return text() if text is not None else el.kind
 
 
 def describe(el: Element) -> str:
@@ -113,6 +121,8 @@ def lines(program: Element) -> list[tuple[tuple[int, ...] | None, int, str]]:
 
     def visit(el: Element, path: tuple[int, ...], depth: int) -> None:
         out.append((path, depth, header(el)))
+        for text in getattr(el, "detail_lines", lambda: ())():  # e.g. the calls a fused step replaced
+            out.append((None, depth + 1, text))
         children = el.children
         if isinstance(el, WHILE):
             visit(children[1], path + (1,), depth + 1)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 
 import cloudpickle
 
+from .checkpoint import capture_rng, restore_rng
 from .checkpoint import dumps as checkpoint_dumps
 from .checkpoint import loads as checkpoint_loads
 from .driver import Driver
@@ -58,11 +59,12 @@ def outcome(driver: Driver) -> dict:
     return {"result": driver.result, "steps": driver.steps, "registers": dict(driver.registers)}
 
 
-def diff(expected: dict, got: dict) -> list[str]:
+def diff(expected: dict, got: dict, steps: bool = True) -> list[str]:
+    """What differs between two outcomes (empty when they are the same); steps=False ignores step counts."""
     problems = []
     if not same(expected["result"], got["result"]):
         problems.append(f"result {got['result']!r:.80} != {expected['result']!r:.80}")
-    if expected["steps"] != got["steps"]:
+    if steps and expected["steps"] != got["steps"]:
         problems.append(f"steps {got['steps']} != {expected['steps']}")
     er, gr = expected["registers"], got["registers"]
     for name in sorted(set(er) | set(gr)):
@@ -72,14 +74,23 @@ def diff(expected: dict, got: dict) -> list[str]:
 
 
 def assert_same_run(build: Callable[[], Element], cuts: Iterable[int] | None = None,
-                    copiers: Iterable[str] = tuple(COPIERS), seed: int = 0) -> dict:
+                    copiers: Iterable[str] = tuple(COPIERS), seed: int = 0, steps: bool | None = None) -> dict:
     """Check that stopping at step k, copying and resuming changes nothing.
 
     ``build`` returns a fresh program (with fresh registers and seeded random
-    generators) each time it is called.  ``cuts`` defaults to a few step counts
-    spread over the run.  Returns the uninterrupted outcome.
+    generators) each time it is called.  The copy and the original each go on
+    from the global random states the original reached at step k.  ``cuts`` defaults to a few step counts
+    spread over the run.  Step counts are compared too, unless ``steps=False``
+    or (by default) the program holds leaves that poll work running elsewhere
+    (POPEN, SPAWN), whose step counts depend on timing.  Returns the
+    uninterrupted outcome.
     """
-    reference = build().start()
+    program = build()
+    if steps is None:
+        from .paths import walk
+
+        steps = not any(el.polls for _, el in walk(program))
+    reference = program.start()
     reference.run()
     expected = outcome(reference)
     total = expected["steps"]
@@ -90,10 +101,12 @@ def assert_same_run(build: Callable[[], Element], cuts: Iterable[int] | None = N
         for name in copiers:
             original = build().start()
             original.run(max_steps=k)
+            rng = capture_rng()
             clone = COPIERS[name](original)
             for who, drv in (("copy", clone), ("original", original)):
+                restore_rng(rng)  # both go on from the global random states at step k
                 drv.run()
-                problems = diff(expected, outcome(drv))
+                problems = diff(expected, outcome(drv), steps)
                 if problems:
                     raise AssertionError(f"the {who} resumed after {k} steps via {name} differs from an "
                                          f"uninterrupted run:\n  " + "\n  ".join(problems))

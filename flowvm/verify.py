@@ -3,7 +3,9 @@
 - every register read has some execution path that writes it first
   (registers already holding a value count as written);
 - no LOOP or WHILE has a body that can never take a step;
-- all register references are bound to one register file.
+- all register references are bound to one register file;
+- no two instances of a template (``isolate``/``template``, see
+  ``flowvm.namespaces``) write a register in common.
 
 This is the register-file counterpart of checking that every popped skip
 tensor was stashed before.  Writes are tracked as a *may* analysis: a read is
@@ -13,7 +15,7 @@ an error only when no path at all can have written the register by then.
 from __future__ import annotations
 
 from .analysis import can_step, register_files, writes
-from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from .elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
 from .errors import VerifyError
 from .paths import format_path
 from .registers import Registers
@@ -46,6 +48,9 @@ def verify(program: Element, registers: dict | None = None) -> None:
     if registers is None:
         registers = program_registers(program)
     _check(program, (), frozenset(registers), program)
+    from .namespaces import check_collisions  # instances (isolate/template) writing one register
+
+    check_collisions(program)
 
 
 def _fail(message: str, path: tuple, program: Element, register: str | None = None):
@@ -68,7 +73,7 @@ def _check_reads(el: Element, path: tuple, before: frozenset, program: Element) 
 
 def _check(el: Element, path: tuple, before: frozenset, program: Element) -> frozenset:
     """Check el given the registers that may be written before it; return those after it."""
-    if isinstance(el, (CALL, PRINT)):
+    if el.is_leaf:
         _check_reads(el, path, before, program)
         return before | {r.name for r in el.own_writes()}
     if isinstance(el, SEQ):

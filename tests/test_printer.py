@@ -100,5 +100,7 @@ def test_names_of_callables():
     assert fn_name(np.zeros) == "zeros"
     assert fn_name([].append) == "list.append"
     assert fn_name(torch.nn.Linear(2, 2)) == "Linear"
+    assert fn_name(torch.sin) == "torch.sin"  # not its hidden _VariableFunctionsClass
+    assert fn_name(torch.Tensor.add) == "Tensor.add" and fn_name(str.upper) == "str.upper"
     assert fn_name(functools.partial(toy.add, 1)) == "partial(add, ...)"
     assert str(CALL(toy.add, np.zeros((2, 3)), torch.ones(4))) == "add(<array float64 2x3>, <tensor float32 4>)"
