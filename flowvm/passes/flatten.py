@@ -1,0 +1,50 @@
+"""The ``flatten`` pass: splice nested SEQs into their parent and unwrap one-child SEQs.
+
+``SEQ([a, SEQ([b, c]), SEQ([]), d])`` becomes ``SEQ([a, b, c, d])`` and
+``REPEAT(n, SEQ([f]))`` becomes ``REPEAT(n, f)`` (which lets the driver take
+its fast path for a leaf repeated by a REPEAT).  Moving through containers
+costs no step, so steps, values and registers are unchanged.  An empty SEQ
+that is the last child stays: its value (None) is its parent's value.
+
+>>> from flowvm import CALL, REPEAT, SEQ, Registers
+>>> reg = Registers(x=1)
+>>> f = CALL(abs, reg('x'), store_to=reg('x'))
+>>> print(flatten(SEQ([f, SEQ([f, REPEAT(2, SEQ([f]))])])))
+SEQ:
+    x = abs(x)
+    x = abs(x)
+    REPEAT 2:
+        x = abs(x)
+"""
+
+from __future__ import annotations
+
+from ..elements import SEQ, Element
+from . import register_pass
+from .rewrite import rewrite
+
+
+def _visit(el: Element, path) -> Element:
+    if type(el) is not SEQ:
+        return el
+    out: list[Element] = []
+    last = len(el.elements) - 1
+    changed = False
+    for i, child in enumerate(el.elements):
+        if type(child) is SEQ and (child.elements or i < last):
+            out.extend(child.elements)  # children of a flattened SEQ are flat already
+            changed = True
+        else:
+            out.append(child)
+    keep = [c for k, c in enumerate(out) if not (type(c) is SEQ and not c.elements and k < len(out) - 1)]
+    if len(keep) != len(out):
+        out, changed = keep, True
+    if len(out) == 1:
+        return out[0]
+    return SEQ(out) if changed else el
+
+
+@register_pass("flatten", default=True)
+def flatten(program: Element) -> Element:
+    """Splice nested SEQs into their parent SEQ and replace one-child SEQs by the child."""
+    return rewrite(program, _visit)

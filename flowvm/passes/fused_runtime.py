@@ -1,0 +1,566 @@
+"""Running a FUSED element: the generated function, its compiled form, and the choice between them.
+
+Everything here is a cache of a FUSED element (``_c_runtime``): never
+pickled, rebuilt on first use after loading.
+
+The generated function takes the registers the fused calls read before
+writing them and returns every register they write, then the last call's
+value; each call is one source line, so an exception raised by the eager
+form is traced back to the call that raised it.  When the calls include a
+backward pass (``Tensor.backward``), only the calls before it (the *head*)
+are compiled; the backward pass and anything after it run eagerly.
+
+``torch.compile`` compiles lazily, on the first call, and that call also runs
+the function.  To compile without running anything (in a background thread,
+while the program goes on eagerly), the compiler backend is wrapped: a call
+made by the warm-up thread gets as far as the compiled graph and stops there
+with ``_WarmedUp``, before any tensor is computed, any input mutated or any
+random number drawn.  The real calls then go through ``torch._dynamo.run``,
+which uses the compiled code whose guards pass and otherwise runs the
+function eagerly without compiling (a guard miss: new shapes, say).  A miss
+is noticed (the graph was not entered) and starts another background
+compile, up to ``max_compiles``.
+
+Choosing (form "auto"): once compiled code exists, the executions alternate
+between the two forms and time the *period* from one execution of the
+element to the next, so the time of anything the form affects elsewhere
+(the backward pass of a compiled forward, say) is counted.  After ``trials``
+periods of each form the faster by median is kept (compiled only when it is
+faster by more than ``margin``).  The decision shows in the element's header.
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from ..registers import Register
+
+
+MIN_TRIAL_SECONDS = 0.02   # a trial times each form for at least this long (and ``trials`` executions)
+RECHECK_FACTOR = 1         # the k-th decision is checked again after (executions timed) * 10**k more
+MAX_RECHECKS = 3
+
+
+class FusionWarning(RuntimeWarning):
+    """A fused step could not be compiled and runs eagerly."""
+
+
+class _WarmedUp(Exception):
+    """Raised by the backend wrapper in the warm-up thread: compiled, nothing run."""
+
+
+_tls = threading.local()
+
+
+# ------------------------------------------------------------------ codegen
+def generate(el) -> "Generated":
+    """The generated functions of a FUSED element (see Generated)."""
+    var: dict[str, str] = {}
+    for r in el.inputs:
+        var.setdefault(r.name, f"r{len(var)}")
+    for r in el.outputs:
+        var.setdefault(r.name, f"r{len(var)}")
+    ns: dict[str, Any] = {}
+    calls = el.calls
+    split = next((i for i, c in enumerate(calls) if is_barrier(c.fn)), len(calls))
+    line_of: dict[int, int] = {}
+    lines: list[str] = []
+
+    def body(indices) -> None:
+        for i in indices:
+            call = calls[i]
+            ns[f"f{i}"] = call.fn
+            parts = [_src(a, f"c{i}_{j}", ns, var) for j, a in enumerate(call.args)]
+            for j, (key, value) in enumerate(call.kwargs.items()):
+                name = f"c{i}_k{j}"
+                if key.isidentifier():
+                    parts.append(f"{key}={_src(value, name, ns, var)}")
+                else:
+                    ns[name + "_key"] = key
+                    parts.append(f"**{{{name}_key: {_src(value, name, ns, var)}}}")
+            target = f"{var[call.store_to.name]} = " if call.store_to is not None else ""
+            lines.append(f"    {target}v = f{i}({', '.join(parts)})")
+            line_of[len(lines)] = i
+
+    def ret(names) -> None:
+        lines.append(f"    return ({', '.join([var[n] for n in names] + ['v'])},)")
+
+    params = ", ".join(var[r.name] for r in el.inputs)
+    lines.append(f"def fused({params}):")
+    body(range(len(calls)))
+    ret([r.name for r in el.outputs])
+    head_inputs, head_outputs = _reads_writes(calls[:split])
+    if 0 < split < len(calls):
+        lines.append(f"def head({', '.join(var[n] for n in head_inputs)}):")
+        body(range(split))
+        ret(head_outputs)
+        unpack = ", ".join([var[n] for n in head_outputs] + ["v"])
+        lines.append(f"def tail(h, {params}):")
+        lines.append(f"    ({unpack},) = h")
+        body(range(split, len(calls)))
+        ret([r.name for r in el.outputs])
+    source = "\n".join(lines) + "\n"
+    filename = f"<flowvm FUSED {id(el):x}>"
+    exec(compile(source, filename, "exec"), ns)
+    names = [r.name for r in el.inputs]
+    positions = None if head_inputs == names else tuple(names.index(n) for n in head_inputs)
+    if split == len(calls):
+        return Generated(ns["fused"], ns["fused"], None, None, line_of, filename, source)
+    if split == 0:  # nothing before the backward pass: nothing to compile
+        return Generated(ns["fused"], None, None, None, line_of, filename, source)
+    return Generated(ns["fused"], ns["head"], ns["tail"], positions, line_of, filename, source)
+
+
+@dataclass
+class Generated:
+    """``fused(*inputs)``: all the calls, eagerly.  ``head``: the calls before the first barrier
+    (``Tensor.backward``), the part that is compiled; ``tail(head_result, *inputs)`` runs the rest
+    eagerly (None when there is no barrier, and then head is fused).  ``head_positions`` picks
+    head's arguments from the inputs (None: all of them)."""
+
+    fused: Callable
+    head: Callable | None
+    tail: Callable | None
+    head_positions: tuple[int, ...] | None
+    line_of: dict[int, int]
+    filename: str
+    source: str
+
+
+def is_barrier(fn: Any) -> bool:
+    """Whether fn ends the compiled part of a fused step and runs eagerly (backward passes)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and (fn is torch.Tensor.backward or fn is torch.autograd.backward)
+
+
+def _reads_writes(calls) -> tuple[list[str], list[str]]:
+    from ..registers import iter_registers
+
+    reads: list[str] = []
+    written: list[str] = []
+    for c in calls:
+        for r in list(iter_registers(c.args)) + list(iter_registers(c.kwargs)):
+            if r.name not in written and r.name not in reads:
+                reads.append(r.name)
+        if c.store_to is not None and c.store_to.name not in written:
+            written.append(c.store_to.name)
+    return reads, written
+
+
+def _src(value: Any, name: str, ns: dict, var: dict) -> str:
+    """Source for an argument: a register's variable, a container built inline, or a constant."""
+    if isinstance(value, Register):
+        return var[value.name]
+    if isinstance(value, (list, tuple)) and _has_register(value):
+        items = [_src(v, f"{name}_{k}", ns, var) for k, v in enumerate(value)]
+        if isinstance(value, list):
+            return f"[{', '.join(items)}]"
+        if hasattr(value, "_fields"):
+            ns[name + "_t"] = type(value)
+            return f"{name}_t({', '.join(items)})"
+        return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+    if isinstance(value, dict) and _has_register(value):
+        pairs = [f"{_src(k, f'{name}_k{n}', ns, var)}: {_src(v, f'{name}_v{n}', ns, var)}"
+                 for n, (k, v) in enumerate(value.items())]
+        text = "{" + ", ".join(pairs) + "}"
+        if type(value) is not dict:
+            ns[name + "_t"] = type(value)
+            text = f"{name}_t({text})"
+        return text
+    ns[name] = value
+    return name
+
+
+def _has_register(value: Any) -> bool:
+    from ..registers import has_registers
+
+    return has_registers(value)
+
+
+def leaf_source(el, rt_name: str = "rt") -> str:
+    """Source of the zero-argument leaf the driver calls: read registers, call, store, return."""
+    args = ", ".join(f"R[{r.name!r}]" for r in el.inputs)
+    body = [
+        "def leaf():",
+        "    try:",
+        f"        v = {rt_name}.current({args})",
+        "    except Exception as e:",
+        f"        {rt_name}.annotate(e)",
+        "        raise",
+    ]
+    body += [f"    R[{r.name!r}] = v[{k}]" for k, r in enumerate(el.outputs)]
+    body.append("    return v[-1]")
+    return "\n".join(body) + "\n"
+
+
+# ---------------------------------------------------------- background worker
+_jobs: "queue.Queue[Callable[[], None]]" = queue.Queue()
+_worker: threading.Thread | None = None
+_worker_lock = threading.Lock()
+
+
+def _work() -> None:
+    while True:
+        job = _jobs.get()
+        try:
+            job()
+        except BaseException:  # pragma: no cover - a job records its own errors
+            pass
+
+
+def _submit(job: Callable[[], None]) -> None:
+    """Run job on the one compile thread (a daemon: a short run never waits for it at exit)."""
+    global _worker
+    with _worker_lock:
+        if _worker is None or not _worker.is_alive():
+            _worker = threading.Thread(target=_work, name="flowvm-compile", daemon=True)
+            _worker.start()
+    _jobs.put(job)
+
+
+# ------------------------------------------------------------------ runtime
+class Runtime:
+    """The live state of one FUSED element: functions, compile jobs, timings, decision."""
+
+    def __init__(self, el):
+        self.el = el
+        self.settings = el.settings
+        gen = self.generated = generate(el)
+        self.eager = gen.fused
+        self._leaves: dict[int, tuple[dict, Callable]] = {}
+        self.hits = 0                   # executions that entered compiled code
+        self.compiles = 0               # compile jobs started
+        self.compile_seconds: list[float] = []
+        self.error: BaseException | None = None
+        self.state = "eager" if self.settings.form == "eager" or gen.head is None else "new"
+        self.decision = ""              # why the current form, for the header
+        self.periods: dict[str, list[float]] = {"eager": [], "compiled": []}
+        self._job_running = False
+        self._job_done = False
+        self._last: tuple[float, str] | None = None
+        self.measured: tuple[float, float] | None = None  # (compiled, eager) median periods, seconds
+        self.trials_done = 0
+        self._executions = 0
+        self._recheck_at = 0
+        self._chosen: Callable = self.eager
+        self._compiled: Callable | None = None
+        self._runonly: Callable | None = None
+        self.current: Callable = self.eager if self.state == "eager" else self._first
+
+    # -- the leaf the driver calls
+    def leaf(self, regs: dict) -> Callable[[], Any]:
+        cached = self._leaves.get(id(regs))
+        if cached is not None and cached[0] is regs:
+            return cached[1]
+        ns = {"R": regs, "rt": self}
+        exec(compile(leaf_source(self.el), f"<flowvm FUSED leaf {id(self.el):x}>", "exec"), ns)
+        self._leaves[id(regs)] = (regs, ns["leaf"])
+        return ns["leaf"]
+
+    # -- errors
+    def annotate(self, err: BaseException) -> None:
+        """Add a note naming the fused CALL that raised err (found from the traceback's line)."""
+        index = None
+        tb = err.__traceback__
+        gen = self.generated
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == gen.filename:
+                index = gen.line_of.get(tb.tb_lineno, index)
+            tb = tb.tb_next
+        if index is None:
+            return
+        from ..printer import call_text
+
+        call = self.el.calls[index]
+        origin = self.el.origins[index]
+        err.add_note(f"flowvm: raised by CALL {call_text(call)}, call {index + 1} of {len(self.el.calls)} "
+                     f"in a fused step (path '{origin or '<root>'}' before optimization)")
+
+    # -- forms
+    def _first(self, *args):
+        """The first execution: start compiling (or compile now, when not in the background)."""
+        st = self.settings
+        if st.background and st.form == "auto" and st.compile_after > 0:
+            self._eager_seconds = 0.0
+            self.current = self._proving
+            self.state = "proving"
+            return self._proving(*args)
+        return self._begin(*args)
+
+    def _proving(self, *args):
+        """Eager executions until the step has run compile_after seconds; then the compile starts."""
+        t0 = time.perf_counter()
+        out = self.eager(*args)
+        self._eager_seconds += time.perf_counter() - t0
+        if self._eager_seconds >= self.settings.compile_after:
+            self.current = self._begin
+        return out
+
+    def _begin(self, *args):
+        self._start_compile(args)
+        if not self.settings.background:
+            return self._after_compile()(*args)
+        self.current = self._warming
+        self.state = "compiling"
+        return self.eager(*args)
+
+    def _warming(self, *args):
+        if self._job_done:
+            return self._after_compile()(*args)
+        return self.eager(*args)
+
+    def _after_compile(self) -> Callable:
+        """Pick what runs once a compile job finished."""
+        self._job_done = False
+        if self.error is not None:
+            self.current = self._check_failure
+        elif self.settings.form == "compiled":
+            self.state, self.current, self.decision = "compiled", self._compiled_call, "forced"
+        else:
+            self.state, self.current = "trial", self._trial
+        return self.current
+
+    def _check_failure(self, *args):
+        """The compile failed: if the calls fail eagerly too, the error is the user's (raised, and the
+        compile is tried again on a retry); else give up on compiling, with one warning."""
+        try:
+            out = self.eager(*args)
+        except Exception:
+            if self.compiles < self.settings.max_compiles:
+                self.error, self.current, self.state = None, self._first, "new"
+            raise
+        self._give_up(self.error)
+        return out
+
+    def _give_up(self, err: BaseException) -> None:
+        self.state, self.current = "failed", self.eager
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        self.decision = f"eager, compile failed ({reason[:100]})"
+        from ..printer import call_text
+
+        calls = "; ".join(call_text(c) for c in self.el.calls)
+        warnings.warn(FusionWarning(f"flowvm: torch.compile failed for the fused step [{calls[:200]}]; it runs "
+                                    f"eagerly from now on ({reason[:300]})"), stacklevel=4)
+
+    def _compiled_call(self, *args):
+        hits = self.hits
+        gen = self.generated
+        pos = gen.head_positions
+        try:
+            out = self._runonly(*args) if pos is None else self._runonly(*[args[k] for k in pos])
+        except Exception as err:
+            if self.hits == hits:  # ran eagerly (a guard miss): the user's own error
+                raise
+            out = self.eager(*args)  # the compiled code failed; an eager error is the user's
+            self._give_up(err)
+            return out
+        if self.hits == hits:
+            self._missed(args)
+        return out if gen.tail is None else gen.tail(out, *args)
+
+    def _missed(self, args) -> None:
+        """The compiled code's guards rejected these inputs and they ran eagerly: compile for them too."""
+        if self._job_running or self.compiles >= self.settings.max_compiles or self.error is not None:
+            return
+        self._start_compile(args)
+        if not self.settings.background:
+            self._job_done = False
+
+    def _trial(self, *args):
+        now = time.perf_counter()
+        last = self._last
+        if last is not None:
+            self.periods[last[1]].append(now - last[0])
+        e, c = self.periods["eager"], self.periods["compiled"]
+        if self._enough(e) and self._enough(c):
+            self._decide(e[1:], c[1:])  # the first period of each form is a warm-up, left out
+            self._last = None
+            return self.current(*args)
+        form = "compiled" if len(c) <= len(e) else "eager"
+        self._last = (now, form)
+        if form == "compiled":
+            return self._compiled_call(*args)
+        return self.eager(*args)
+
+    def _enough(self, periods: list[float]) -> bool:
+        n = len(periods) - 1
+        return n >= self.settings.trials and (sum(periods) >= MIN_TRIAL_SECONDS or n >= 50 * self.settings.trials)
+
+    def _decide(self, eager: list[float], compiled: list[float]) -> None:
+        if self.state != "trial":  # the compile failed during the trial
+            return
+        me, mc = statistics.median(eager), statistics.median(compiled)
+        self.measured = (mc, me)
+        timing = f"compiled {_us(mc)} vs eager {_us(me)} per execution"
+        self.trials_done += 1
+        self.decision = f"{'compiled' if mc < me * (1 - self.settings.margin) else 'eager'}, measured {timing}"
+        self._chosen = self._compiled_call if mc < me * (1 - self.settings.margin) else self.eager
+        self.state = "compiled" if self._chosen == self._compiled_call else "eager"
+        # decide again later, after ten times as many executions, in case the machine was busy this time
+        self._executions = 0
+        self._recheck_at = RECHECK_FACTOR * (len(eager) + len(compiled)) * 10 ** self.trials_done
+        self.current = self._steady if self.trials_done <= MAX_RECHECKS else self._chosen
+
+    def _steady(self, *args):
+        self._executions += 1
+        if self._executions >= self._recheck_at:
+            self.state, self.current = "trial", self._trial
+            self.periods = {"eager": [], "compiled": []}
+            return self._trial(*args)
+        return self._chosen(*args)
+
+    def force(self, form: str, example: tuple | None = None) -> None:
+        """Use form ("eager" or "compiled") from now on in this process (set_form makes it part of the
+        program instead).  "compiled" waits for a compile job in flight, or compiles now for the
+        ``example`` inputs (a tuple of the fused step's input values) when nothing is compiled yet."""
+        if form == "eager":
+            self.state, self.current, self.decision = "eager", self.eager, "eager, forced at run time"
+            return
+        if form != "compiled":
+            raise ValueError(f"force: form must be 'eager' or 'compiled', got {form!r}")
+        while self._job_running:
+            time.sleep(0.01)
+        if self.hits == 0 and self.compiles == 0:
+            if example is None:
+                raise ValueError("force('compiled'): nothing is compiled yet; pass example inputs or run a step first")
+            settings, self.settings = self.settings, replace(self.settings, background=False)
+            try:
+                self._start_compile(tuple(example))
+            finally:
+                self.settings = settings
+        if self.error is not None:
+            raise RuntimeError(f"force('compiled'): the compile failed: {self.error}") from self.error
+        self._job_done = False
+        self.state, self.current, self.decision = "compiled", self._compiled_call, "compiled, forced at run time"
+
+    # -- compiling
+    def _start_compile(self, args) -> None:
+        """Compile the head for these inputs, in the background thread unless settings say otherwise.
+
+        Everything slow (importing dynamo, tracing, compiling) happens in the job; the main thread
+        only reads the thread-local modes the compiled code must match."""
+        self.compiles += 1
+        try:
+            import torch
+        except ImportError as err:  # a function marked fusable, and no torch to compile it with
+            self.error, self._job_done = err, True
+            return
+        self._job_running = True
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        pos = self.generated.head_positions
+        if pos is not None:
+            args = tuple(args[k] for k in pos)
+
+        def job():
+            start = time.perf_counter()
+            _tls.warm = True
+            try:
+                if self._compiled is None:
+                    compiled = torch.compile(self.generated.head, backend=self._backend(), fullgraph=True,
+                                             dynamic=self.settings.dynamic)
+                    self._runonly = _run_only(self.generated.head)
+                    self._compiled = compiled
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    self._compiled(*args)
+            except _WarmedUp:
+                pass
+            except Exception as err:  # a graph break, an unknown backend, a compiler error
+                self.error = err
+            else:  # no graph to stop at: nothing was compiled (the function ran, with nothing to fuse)
+                self.error = RuntimeError("torch.compile produced no graph for these calls")
+            finally:
+                _tls.warm = False
+                self.compile_seconds.append(time.perf_counter() - start)
+                self._job_running = False
+                self._job_done = True
+
+        if self.settings.background:
+            _submit(job)
+        else:
+            job()
+
+    def _backend(self) -> Callable:
+        import torch
+
+        s = self.settings
+        if callable(s.backend):
+            inner = s.backend
+        elif s.backend == "inductor":
+            inner = torch._TorchCompileInductorWrapper(s.mode, dict(s.options), s.dynamic)
+        else:
+            inner = torch._dynamo.lookup_backend(s.backend)
+        runtime = self
+
+        def flowvm_backend(gm, example_inputs):
+            patch = getattr(torch._functorch.config, "force_non_lazy_backward_lowering", None)
+            if patch is not None:  # compile the backward now, not on the first backward() in the main thread
+                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                    fn = inner(gm, example_inputs)
+            else:  # pragma: no cover - older torch
+                fn = inner(gm, example_inputs)
+
+            def run(*a):
+                if getattr(_tls, "warm", False):
+                    raise _WarmedUp()
+                runtime.hits += 1
+                return fn(*a)
+
+            return run
+
+        return flowvm_backend
+
+    # -- printing
+    def status(self) -> str:
+        s = self.settings
+        if s.form == "eager":
+            return "eager (forced)"
+        if self.generated.head is None:
+            return "eager, nothing to compile before the backward pass"
+        if self.state == "new":
+            return "not run yet"
+        if self.state == "proving":
+            return (f"eager; compiles once it has run {self.settings.compile_after:g} s "
+                    f"({self._eager_seconds:.1f} s so far)")
+        if self.state == "compiling":
+            return "compiling in the background, eager meanwhile"
+        if self.state == "trial":
+            n = min(len(self.periods["eager"]), len(self.periods["compiled"]))
+            return f"measuring compiled against eager ({max(n - 1, 0)} of {s.trials})"
+        if self.state == "compiled" and self.decision == "forced":
+            return "compiled (forced)"
+        return self.decision
+
+
+def _run_only(fn: Callable) -> Callable:
+    """fn calling the code compiled for it when its guards pass, else running eagerly; never compiling.
+
+    This is ``torch._dynamo.run(fn)`` without the checks its wrapper makes on every call (tracing,
+    export, nested compiles: none apply to a step called by the driver), which cost about as much
+    as a small compiled graph takes to run."""
+    import torch
+
+    try:
+        from torch._C._dynamo.eval_frame import set_eval_frame
+    except ImportError:  # pragma: no cover - another torch layout
+        return torch._dynamo.run(fn)
+
+    def run_only(*args):
+        prior = set_eval_frame(False)  # False: run cached compiled code only (thread-local)
+        try:
+            return fn(*args)
+        finally:
+            set_eval_frame(prior)
+
+    return run_only
+
+
+def _us(seconds: float) -> str:
+    us = seconds * 1e6
+    return f"{us:.1f} µs" if us < 10000 else f"{seconds * 1e3:.1f} ms"

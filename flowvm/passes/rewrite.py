@@ -1,0 +1,34 @@
+"""A bottom-up tree rewriter shared by the passes.
+
+``rewrite(program, visit)`` rebuilds the program from the leaves up: each
+element's children are rewritten first, the element is rebuilt with
+``with_children`` only when a child changed (so untouched subtrees stay the
+very same objects), then ``visit(element, path)`` may return a replacement.
+Paths are those of the input program.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..elements import Element
+
+Visit = Callable[[Element, tuple[int, ...]], Element]
+
+
+def rewrite(program: Element, visit: Visit) -> Element:
+    """The program with every element replaced by visit(element-with-rewritten-children, path)."""
+
+    def go(el: Element, path: tuple[int, ...]) -> Element:
+        children = el.children
+        if children:
+            new = [go(c, path + (i,)) for i, c in enumerate(children)]
+            if any(a is not b for a, b in zip(new, children)):
+                el = el.with_children(new)
+        out = visit(el, path)
+        if not isinstance(out, Element):
+            raise TypeError(f"rewrite: visit returned {type(out).__name__} for the {el.kind} at path "
+                            f"{'.'.join(map(str, path)) or '<root>'}, expected an element")
+        return out
+
+    return go(program, ())

@@ -1,0 +1,102 @@
+"""A torch training loop (nn.Module, optimizer, dropout, global torch RNG) stopped anywhere resumes bit for bit."""
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flowvm
+from flowvm import CALL, REPEAT, SEQ, Registers
+from flowvm.testing import assert_same_run, outcome, same
+
+
+def make_data(n=64):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 4, generator=g)
+    y = (x[:, :1] * 2 - x[:, 1:2]).squeeze(1)
+    return x, y
+
+
+def pick_batch(x, y, size=8):
+    idx = torch.randint(0, len(x), (size,))  # the global torch generator
+    return x[idx], y[idx]
+
+
+def loss_of(model, batch):
+    xb, yb = batch
+    return torch.nn.functional.mse_loss(model(xb).squeeze(1), yb)
+
+
+def weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def build(optimizer="adam", steps=6):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.25), torch.nn.Linear(8, 1))
+    opt = (torch.optim.Adam(model.parameters(), lr=0.01) if optimizer == "adam"
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    x, y = make_data()
+    reg = Registers(x=x, y=y)
+    return SEQ([
+        REPEAT(steps, SEQ([
+            CALL(pick_batch, reg("x"), reg("y"), store_to=reg("batch")),
+            CALL(opt.zero_grad),
+            CALL(loss_of, model, reg("batch"), store_to=reg("loss")),
+            CALL(torch.Tensor.backward, reg("loss")),
+            CALL(opt.step),
+        ]), counter=reg("step")),
+        CALL(weights, model, store_to=reg("weights")),
+    ])
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_training_loop_resumes_exactly_after_any_copy(optimizer):
+    # every cut except the one between the loss CALL and backward() (k % 5 == 3): see the next test
+    expected = assert_same_run(lambda: build(optimizer), cuts=[0, 1, 7, 12, 24, 30, 31])
+    assert expected["steps"] == 31
+    assert expected["registers"]["step"] == 6
+
+
+@pytest.mark.parametrize("copier", ["pickle", "deepcopy"])
+def test_a_tensor_attached_to_an_autograd_graph_is_copied_detached(copier):
+    """The autograd graph is not data: like torch's own pickling, a copy keeps the tensor's values only."""
+    from flowvm.testing import COPIERS
+
+    drv = build().start()
+    drv.run(max_steps=3)  # the loss is computed, backward() not yet run
+    assert drv.registers["loss"].grad_fn is not None
+    copy = COPIERS[copier](drv)
+    loss = copy.registers["loss"]
+    assert loss.grad_fn is None and loss.requires_grad
+    assert same(loss.detach(), drv.registers["loss"].detach())
+
+
+def test_standard_pickle_of_a_half_run_training_loop_resumes_in_a_fresh_process(tmp_path):
+    reference = build().start()
+    reference.run()
+    drv = build().start()
+    drv.run(max_steps=12)
+    path = tmp_path / "half.ckpt"
+    flowvm.save(drv, path)
+    blob = tmp_path / "half.pkl"
+    blob.write_bytes(pickle.dumps(drv))  # standard pickle: everything here is importable
+    script = (
+        "import pickle, sys, torch, flowvm\n"
+        "from flowvm.testing import outcome\n"
+        "d = flowvm.load(sys.argv[1]); d.run()\n"
+        "pickle.dump(outcome(d), open(sys.argv[2], 'wb'))\n"
+    )
+    out = tmp_path / "out.pkl"
+    subprocess.run([sys.executable, "-c", script, str(path), str(out)], check=True, timeout=120,
+                   cwd=str(tmp_path), env={"PYTHONPATH": __import__("os").path.dirname(__file__),
+                                           "PATH": "/usr/bin:/bin"})
+    got = pickle.loads(out.read_bytes())
+    exp = outcome(reference)
+    assert got["steps"] == exp["steps"]
+    assert all(same(a, b) for a, b in zip(got["registers"]["weights"], exp["registers"]["weights"]))
+    assert same(got["registers"]["loss"], exp["registers"]["loss"])
+    # the standard-pickle copy, finished here after restoring the random state at step 12, agrees too
+    assert pickle.loads(blob.read_bytes()).steps == 12
