@@ -1,0 +1,431 @@
+"""Where SPAWN fragments run: the default process pool, named executors, and the job a child runs.
+
+A SPAWN submits ``run_job(payload)`` to a ``concurrent.futures.Executor``.
+The payload is one pickle (flowvm's pickler: lambdas, closures and global
+generators by reference) of the fragment and the values of the registers it
+reads; the parent's register file itself never travels: the fragment's
+register references are rebuilt, in the child, over a fresh register file
+holding only those values.  The child runs the fragment with a fresh Driver
+and sends back its value and the registers it wrote, or the error it raised
+with its traceback text, as data: any exception the future itself raises is
+therefore a failure of the executor (a dead worker, a cancelled task).
+
+Executors:
+
+- ``None``: the default, one local process pool shared by all SPAWNs of this
+  process, created on first use (``forkserver`` start method where there is
+  one, else ``spawn``: never ``fork``, which is unsafe with threads around),
+  one worker per available core, its workers killed at interpreter exit.
+- any ``concurrent.futures.Executor`` instance, such as a Dask client's
+  ``client.get_executor()``.  An executor cannot be pickled, so a program
+  holding one pickles a reference to it, valid in this process only.
+- a name given to ``register_executor(name, executor)``: a program that
+  names its executor can be resumed in another process once that process
+  registers an executor under the same name.
+
+>>> register_executor("local", None)   # the name now means the default pool
+>>> executor_name("local"), executor_name(None)
+("'local'", 'default pool')
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import os
+import pickle
+import socket
+import threading
+import time
+import traceback
+import weakref
+from typing import Any
+
+from .checkpoint import _Pickler, pickle_bytes
+from .errors import FlowError
+from .registers import Registers
+
+_lock = threading.RLock()
+_pool = None  # the default pool, created on first use
+_exit_hook_installed = False
+_retired: list = []  # former default pools still running abandoned fragments (killed at exit)
+_named: dict[str, Any] = {}
+_by_token: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+
+
+class SpawnError(FlowError):
+    """A SPAWN could not run its fragment: a dead worker, a cancelled task, an executor gone.
+
+    A fragment that raises is not a SpawnError: its own exception is raised
+    again in the parent, with the child's traceback as a note.
+    """
+
+
+class SpawnTimeout(SpawnError, TimeoutError):
+    """A SPAWN's fragment ran longer than the SPAWN's timeout."""
+
+
+# ----------------------------------------------------------------- executors
+def default_workers() -> int:
+    """Worker processes of the default pool: the cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def default_executor():
+    """The shared local process pool that SPAWNs without an executor use (created on first call)."""
+    global _pool, _exit_hook_installed
+    with _lock:
+        if _pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            methods = multiprocessing.get_all_start_methods()
+            ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+            _pool = ProcessPoolExecutor(max_workers=default_workers(), mp_context=ctx)
+            if not _exit_hook_installed:
+                # concurrent.futures joins its pools before atexit callbacks run, waiting for
+                # running work; this hook must run first, so it registers the same way, later.
+                register = getattr(threading, "_register_atexit", None)
+                try:
+                    (register or __import__("atexit").register)(shutdown_default_executor, kill=True)
+                except RuntimeError:  # pragma: no cover - interpreter already shutting down
+                    pass
+                _exit_hook_installed = True
+        return _pool
+
+
+def shutdown_default_executor(kill: bool = False) -> None:
+    """Shut the default pool down (a later SPAWN makes a new one).
+
+    With kill=True its worker processes are killed at once, running fragments
+    included; this is what happens at interpreter exit, so that exiting never
+    waits for a fragment to finish.
+    """
+    global _pool
+    with _lock:
+        pool, _pool = _pool, None
+        retired = list(_retired) if kill else []
+        del _retired[:len(retired)]
+    for old in retired:
+        _kill_pool(old)
+    if pool is None:
+        return
+    if kill:
+        # ProcessPoolExecutor has no public way to stop running work before Python 3.14.
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            try:
+                proc.kill()
+            except Exception:  # pragma: no cover - already gone
+                pass
+    manager = getattr(pool, "_executor_manager_thread", None)
+    pool.shutdown(wait=not kill, cancel_futures=True)
+    if kill and manager is not None:
+        # With its workers gone the pool's manager thread ends at once; wait for
+        # it, so that concurrent.futures' own exit hook finds the pool closed.
+        manager.join(timeout=5)
+
+
+def _kill_pool(pool) -> None:
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        try:
+            proc.kill()
+        except Exception:  # pragma: no cover - already gone
+            pass
+    manager = getattr(pool, "_executor_manager_thread", None)
+    try:
+        pool.shutdown(wait=False, cancel_futures=True)
+    except Exception:  # pragma: no cover
+        pass
+    if manager is not None:
+        manager.join(timeout=5)
+
+
+def retire_running(executor) -> None:
+    """A fragment that runs in the default pool was abandoned (timeout, WEAVE): stop it taking a worker.
+
+    A process pool cannot stop one running task, and killing a worker breaks
+    the whole pool.  So the pool stops being the default (the next SPAWN gets a
+    fresh one); it is killed now when nothing else runs on it, else when its
+    other work is done or at exit.
+    """
+    global _pool
+    with _lock:
+        if executor is None or executor is not _pool:
+            return
+        _pool = None
+        pending = len(getattr(executor, "_pending_work_items", None) or {})
+        if pending > 1:
+            _retired.append(executor)
+            return
+    _kill_pool(executor)
+
+
+def discard_broken(executor) -> None:
+    """Forget the default pool if executor is it (a broken pool takes no more work)."""
+    global _pool
+    with _lock:
+        if executor is not None and executor is _pool:
+            _pool = None
+        else:
+            return
+    try:
+        executor.shutdown(wait=False, cancel_futures=True)
+    except Exception:  # pragma: no cover
+        pass
+
+
+def register_executor(name: str, executor) -> None:
+    """Make ``SPAWN(..., executor=name)`` run on executor in this process (None: the default pool).
+
+    Register the name again in a process that loads a checkpoint of such a
+    program before resuming it.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"executor name must be a non-empty str, got {name!r}")
+    if executor is not None:
+        executor = check_executor(executor, f"register_executor({name!r})")
+    _named[name] = executor
+
+
+def check_executor(executor, owner: str):
+    """executor itself if it can run jobs; a Dask Client becomes its executor."""
+    if isinstance(executor, cf.Executor):
+        return executor
+    get = getattr(executor, "get_executor", None)
+    if callable(get):  # dask.distributed.Client: its submit() does not return concurrent.futures
+        return get()
+    if not callable(getattr(executor, "submit", None)):
+        raise TypeError(f"{owner}: executor must be a concurrent.futures.Executor, a name given to "
+                        f"flowvm.processes.register_executor, or None; got {type(executor).__name__}")
+    return executor
+
+
+def executor_token(executor) -> str:
+    """A process-local reference to an executor instance, written in its place when a program is pickled."""
+    token = f"{type(executor).__name__}@{id(executor):x}"
+    _by_token[token] = executor
+    return token
+
+
+class ExecutorRef:
+    """An executor instance as pickled: found again by token in the process that pickled it."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def __reduce__(self):
+        return ExecutorRef, (self.token,)
+
+    def __repr__(self):
+        return f"<executor {self.token}>"
+
+
+def executor_name(spec) -> str:
+    if spec is None:
+        return "default pool"
+    if isinstance(spec, str):
+        return repr(spec)
+    if isinstance(spec, ExecutorRef):
+        return spec.token.split("@")[0]
+    return type(spec).__name__
+
+
+def resolve_executor(spec):
+    """The executor a SPAWN's executor field stands for, in this process."""
+    if spec is None:
+        return default_executor()
+    if isinstance(spec, str):
+        try:
+            executor = _named[spec]
+        except KeyError:
+            known = ", ".join(repr(k) for k in sorted(_named)) or "none"
+            raise SpawnError(f"no executor is registered under the name {spec!r} in this process "
+                             f"(registered: {known}); call flowvm.processes.register_executor({spec!r}, ...) "
+                             "before running or resuming the program") from None
+        return default_executor() if executor is None else executor
+    if isinstance(spec, ExecutorRef):
+        executor = _by_token.get(spec.token)
+        if executor is None:
+            raise SpawnError(f"the SPAWN's executor ({spec.token.split('@')[0]}) was pickled by reference and "
+                             "does not exist in this process; to resume in another process, register it with "
+                             "flowvm.processes.register_executor(name, executor) and build the SPAWN with "
+                             "executor=name")
+        return executor
+    return spec
+
+
+# ----------------------------------------------------------------- the job
+class _JobPickler(_Pickler):
+    """flowvm's pickler (as in checkpoints), writing the parent's register file as a placeholder."""
+
+    def __init__(self, buf, registers: Registers):
+        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self._registers = registers
+
+    def persistent_id(self, obj):
+        return "flowvm.registers" if obj is self._registers else None
+
+
+def job_payload(fragment, registers: Registers, names) -> bytes:
+    """The bytes a child needs: fragment, the values of the named registers, a nonce.
+
+    The nonce makes every submission unique, so executors that deduplicate
+    identical tasks (Dask) never merge two SPAWNs or a resubmission.
+    """
+    shipped = {n: registers[n] for n in names if n in registers}
+    buf = io.BytesIO()
+    _JobPickler(buf, registers).dump((fragment, shipped, os.urandom(8)))
+    return buf.getvalue()
+
+
+class _TrackingRegisters(Registers):
+    """The child's register file: remembers which registers were written."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: set[str] = set()
+
+    def __setitem__(self, name, value):
+        self.written.add(name)
+        dict.__setitem__(self, name, value)
+
+
+class _JobUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, registers: Registers):
+        super().__init__(io.BytesIO(data))
+        self._registers = registers
+
+    def persistent_load(self, pid):
+        if pid == "flowvm.registers":
+            return self._registers
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+def run_job(payload: bytes) -> bytes:
+    """Run in the child: the fragment over the shipped registers; its outcome as bytes.
+
+    ("ok", value, written registers) or ("error", exception or None, traceback text, where).
+    """
+    from .analysis import writes
+    from .driver import Driver
+
+    where = f"process {os.getpid()} on {socket.gethostname()}"
+    try:
+        registers = _TrackingRegisters()
+        fragment, shipped, _nonce = _JobUnpickler(payload, registers).load()
+        dict.update(registers, shipped)
+        value = Driver(fragment).run()
+        names = sorted(writes(fragment) & registers.written)
+        outcome = ("ok", value, {n: registers[n] for n in names if n in registers})
+        try:
+            return pickle_bytes(outcome)
+        except Exception as err:
+            what = "its value"
+            for n in names:
+                try:
+                    pickle_bytes(registers[n])
+                except Exception:
+                    what = f"register {n!r}"
+                    break
+            raise SpawnError(f"the fragment finished but {what} cannot be pickled to send back: "
+                             f"{type(err).__name__}: {err}") from err
+    except BaseException as err:  # reported as data: the future itself only fails for executor reasons
+        text = "".join(traceback.format_exception(err))
+        try:
+            exc_bytes = pickle_bytes(err)
+            pickle.loads(exc_bytes)
+        except BaseException:
+            err = None
+        return pickle_bytes(("error", err, text, where))
+
+
+def decode_outcome(data: bytes):
+    return pickle.loads(data)
+
+
+# ----------------------------------------------------------------- the parent's handle
+def _cancel(future: cf.Future) -> None:
+    try:
+        future.cancel()
+    except Exception:  # pragma: no cover - never raise from a finalizer
+        pass
+
+
+class Job:
+    """A submitted SPAWN fragment: the live handle, cancelled when dropped."""
+
+    def __init__(self, future: cf.Future, executor):
+        self.future = future
+        self.executor = executor
+        self.started = time.monotonic()
+        self._finalizer = weakref.finalize(self, _cancel, future)
+
+    @classmethod
+    def submit(cls, fragment, spec, registers: Registers) -> "Job":
+        """Submit fragment, with the registers it reads, to the executor spec stands for."""
+        from .analysis import reads
+
+        executor = resolve_executor(spec)
+        payload = job_payload(fragment, registers, sorted(reads(fragment)))
+        try:
+            future = executor.submit(run_job, payload)
+        except Exception as err:
+            discard_broken(executor)
+            raise SpawnError(f"the {executor_name(spec)} refused the fragment: "
+                             f"{type(err).__name__}: {err}") from err
+        return cls(future, executor)
+
+    def ready_future(self) -> cf.Future | None:
+        return self.future if isinstance(self.future, cf.Future) else None
+
+    def cancel(self) -> None:
+        """Cancel the task; one already running on the default pool retires that pool (see retire_running)."""
+        self._finalizer()
+        if not self.future.done() or self.future.running():
+            retire_running(self.executor)
+
+    def finish(self, spec, store_to, registers: Registers) -> Any:
+        """The fragment's value, its written registers merged into registers; or its error raised."""
+        self._finalizer.detach()
+        where = executor_name(spec)
+        try:
+            data = self.future.result()
+        except cf.CancelledError:
+            raise SpawnError(f"the fragment's task was cancelled by the {where} (a lost worker or a "
+                             "closed cluster?); the next step submits it again") from None
+        except Exception as err:
+            name = type(err).__name__
+            if isinstance(err, cf.BrokenExecutor) or name == "KilledWorker":
+                discard_broken(self.executor)
+                raise SpawnError(f"the worker process running the fragment died ({name}: {err}); killed by a "
+                                 f"signal or out of memory? The {where} "
+                                 + ("is replaced by a new one on the next SPAWN" if spec is None
+                                    else "may need replacing") + ".") from err
+            raise SpawnError(f"the {where} failed to run the fragment: {name}: {err}") from err
+        try:
+            outcome = decode_outcome(data)
+        except Exception as err:
+            raise SpawnError(f"the fragment's outcome cannot be unpickled here ({type(err).__name__}: {err}); "
+                             "does it hold an object of a class this process cannot import?") from err
+        if outcome[0] == "error":
+            _, exc, text, host = outcome
+            note = f"flowvm: the SPAWN fragment failed in {host}; its traceback there:\n{text.rstrip()}"
+            if exc is None:
+                raise SpawnError(f"the fragment raised an exception that cannot be sent back\n{note}")
+            exc.add_note(note)
+            try:
+                exc.child_traceback = text
+            except Exception:  # pragma: no cover - exceptions with __slots__
+                pass
+            raise exc
+        _, value, written = outcome
+        for name, v in written.items():  # item by item: a SPAWN inside a fragment is tracked as a write
+            registers[name] = v
+        if store_to is not None:
+            registers[store_to.name] = value
+        return value
