@@ -1,0 +1,267 @@
+"""Namespaces: two instances of one template side by side without sharing registers.
+
+A template is a function that builds a sub-program over register names it
+chooses (``reg('w')``, ``reg('loss')``).  Two instances in one program would
+read and write the same registers.  ``isolate(sub, 'a')`` (also
+``sub.isolate('a')``) moves every register of the sub-program into the
+namespace ``a`` (``w`` becomes ``a.w``) except the ``shared`` ones (and those
+the template declares shared), and marks
+the sub-program's root as an instance, so that ``verify`` (and ``start()``)
+report collisions: two instances, not the same element, that write a
+register in common, other than one both declare shared.  ``@template`` marks
+what a function builds as an instance without renaming, so that two
+un-isolated instances are reported too.
+
+>>> from flowvm import CALL, SEQ, Registers
+>>> reg = Registers(lr=0.5)
+>>> @template(shared=["lr"])
+... def train(w0):
+...     return SEQ([CALL(float, w0, store_to=reg('w')),
+...                 CALL(lambda w, lr: w - lr, reg('w'), reg('lr'), store_to=reg('w'))])
+>>> prog = SEQ([train(1).isolate('a'), train(2).isolate('b')])
+>>> prog.run(), reg['a.w'], reg['b.w']
+(1.5, 0.5, 1.5)
+>>> print(prog)
+SEQ:
+    SEQ:
+        a.w = float(1)
+        a.w = <lambda>(a.w, lr)
+    SEQ:
+        b.w = float(2)
+        b.w = <lambda>(b.w, lr)
+>>> SEQ([train(1), train(2)]).run()
+Traceback (most recent call last):
+...
+flowvm.errors.VerifyError: register collision: two instances of template flowvm.namespaces.train (paths '0' and '1', ...
+
+A register that holds a value when it is isolated is copied to its new name
+(the original stays), so templates may give their registers initial values.
+Renamed registers are those referenced anywhere in the sub-program: CALL and
+PRINT arguments, ``store_to``, REPEAT/BUFFER counts and counters, SWITCH
+selectors, and the ``__flowvm_source__()`` arguments of other kinds (a
+POPEN's argument list, a SPAWN's fragment).  A ``Depends`` provider is not a
+register and is not renamed.  An element found at several places stays
+shared in the result.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from .elements import BUFFER, CALL, PRINT, REPEAT, SWITCH, Element
+from .errors import VerifyError
+from .paths import format_path, walk
+from .registers import Register, Registers
+
+SEPARATOR = "."
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The mark on an instance's root: its namespace (None: not renamed), template name, shared registers."""
+
+    namespace: str | None = None
+    template: str | None = None
+    shared: frozenset = frozenset()
+
+    def __repr__(self) -> str:
+        parts = []
+        if self.namespace is not None:
+            parts.append(f"namespace {self.namespace!r}")
+        if self.template is not None:
+            parts.append(f"template {self.template}")
+        if self.shared:
+            parts.append(f"shared {sorted(self.shared)}")
+        return f"Scope({', '.join(parts)})"
+
+
+def _rename_value(value: Any, rename: Callable[[Register], Register],
+                  sub: Callable[[Element], Element] | None = None) -> Any:
+    """value with its Registers renamed, also inside lists, tuples and dicts; elements go through sub."""
+    if isinstance(value, Register):
+        return rename(value)
+    if isinstance(value, Element):
+        return sub(value) if sub is not None else value
+    if isinstance(value, list):
+        return [_rename_value(v, rename, sub) for v in value]
+    if isinstance(value, tuple):
+        items = [_rename_value(v, rename, sub) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, dict) and not isinstance(value, Registers):
+        pairs = {_rename_value(k, rename, sub): _rename_value(v, rename, sub) for k, v in value.items()}
+        return pairs if type(value) is dict else type(value)(pairs)
+    return value
+
+
+def rename_registers(program: Element, rename: Callable[[Register], Register],
+                     rename_name: Callable[[str], str] | None = None) -> Element:
+    """The program with every Register reference r replaced by rename(r).
+
+    Instance marks are kept, their shared names mapped through rename_name.
+    Kinds other than flowvm's own are rebuilt from their
+    ``__flowvm_source__()`` form (constructor, args, kwargs), with Registers
+    renamed and elements rebuilt wherever they appear in the arguments
+    (a SPAWN's fragment and ``store_to``, a POPEN's argument list).  An
+    element found at several places is rebuilt once, so the result shares it
+    in the same way.
+    """
+    memo: dict[int, Element] = {}
+
+    def sub(el: Element) -> Element:
+        done = memo.get(id(el))
+        if done is None:
+            done = memo[id(el)] = _rename_element(el, rename, rename_name, sub)
+        return done
+
+    return sub(program)
+
+
+def _rename_element(el: Element, rename: Callable[[Register], Register], rename_name: Callable[[str], str] | None,
+                    sub: Callable[[Element], Element]) -> Element:
+    if isinstance(el, CALL):
+        args = _rename_value(el.args, rename)  # data: an element there is a value
+        kwargs = _rename_value(el.kwargs, rename)
+        store = rename(el.store_to) if el.store_to is not None else None
+        new = CALL(el.fn, *args, store_to=store, **kwargs)
+    elif isinstance(el, PRINT):
+        new = PRINT(*_rename_value(el.objs, rename), sep=el.sep)
+    elif isinstance(el, REPEAT):
+        new = REPEAT(_rename_value(el.n, rename), sub(el.body),
+                     rename(el.counter) if el.counter is not None else None)
+    elif isinstance(el, BUFFER):
+        new = BUFFER(_rename_value(el.n, rename), sub(el.body),
+                     rename(el.store_to) if el.store_to is not None else None)
+    elif isinstance(el, SWITCH):
+        selector = el.selector
+        selector = rename(selector) if isinstance(selector, Register) else sub(selector)
+        cases = {k: sub(c) for k, c in el.cases.items()}
+        default = sub(el.default) if el.default is not None else None
+        new = SWITCH(selector, cases, default)
+    elif getattr(el, "__flowvm_source__", None) is not None:  # another kind: rebuilt from its constructor form
+        ctor, args, kwargs = el.__flowvm_source__()
+        new = ctor(*_rename_value(tuple(args), rename, sub), **_rename_value(dict(kwargs), rename, sub))
+    elif not (el.own_reads() or el.own_writes()):
+        new = el.with_children([sub(c) for c in el.children]) if el.children else el
+        if new is el:
+            return el
+    else:
+        raise TypeError(f"isolate: cannot rename the registers of a {el.kind} element; "
+                        "give its class a __flowvm_source__() method (see flowvm.source)")
+    scope = el.scope
+    if scope is not None:
+        if rename_name is not None and scope.shared:
+            scope = Scope(scope.namespace, scope.template, frozenset(map(rename_name, scope.shared)))
+        new = new.with_scope(scope)
+    return new
+
+
+def isolate(program: Element, namespace: str, shared: Iterable[str] = ()) -> Element:
+    """The sub-program with its registers renamed ``namespace.name`` (except shared ones), marked as an instance."""
+    if not isinstance(namespace, str) or not namespace.isidentifier():
+        raise ValueError(f"isolate: the namespace must be an identifier like 'model_a', got {namespace!r}")
+    shared = frozenset(shared)
+    for name in shared:
+        if not isinstance(name, str):
+            raise TypeError(f"isolate: shared register names must be str, got {name!r}")
+    if program.scope is not None:  # what a template declares shared stays shared
+        shared |= program.scope.shared
+
+    def rename_name(name: str) -> str:
+        return name if name in shared else f"{namespace}{SEPARATOR}{name}"
+
+    def rename(r: Register) -> Register:
+        new = rename_name(r.name)
+        if new == r.name:
+            return r
+        if r.name in r.file and new not in r.file:
+            r.file[new] = r.file[r.name]
+        return Register(r.file, new)
+
+    renamed = rename_registers(program, rename, rename_name)
+    old = renamed.scope
+    if old is None:
+        scope = Scope(namespace, None, shared)
+    else:
+        inner = old.namespace
+        scope = Scope(namespace if inner is None else f"{namespace}{SEPARATOR}{inner}", old.template,
+                      old.shared | shared)
+    return renamed.with_scope(scope)
+
+
+def template(fn: Callable[..., Element] | None = None, *, shared: Iterable[str] = ()):
+    """Mark what fn builds as an instance of a template, so that verify reports two colliding instances.
+
+    ``shared`` names registers every instance may write (a common log, say).
+    Use as ``@template`` or ``@template(shared=['log'])``.
+    """
+    shared = frozenset(shared)
+
+    def decorate(build: Callable[..., Element]):
+        name = f"{build.__module__}.{build.__qualname__}"
+
+        @functools.wraps(build)
+        def wrapper(*args, **kwargs):
+            program = build(*args, **kwargs)
+            if not isinstance(program, Element):
+                raise TypeError(f"template {name} must return a flowvm element, got {type(program).__name__}")
+            return program.with_scope(Scope(None, name, shared))
+
+        return wrapper
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def instances(program: Element) -> list[tuple[tuple, Element]]:
+    """(path, element) of every marked instance in the program, parents first."""
+    todo = [program]
+    while todo:  # a quick scan first: most programs have no instance at all
+        el = todo.pop()
+        if el.scope is not None:
+            return [(p, e) for p, e in walk(program) if e.scope is not None]
+        todo.extend(el.children)
+    return []
+
+
+def collisions(program: Element) -> list[dict]:
+    """Pairs of instances that write a register in common (not one both declare shared).
+
+    Each collision is a dict with ``paths`` (two path strings), ``registers``
+    (sorted names) and ``instances`` (their two scopes).  Nested instances
+    and two occurrences of the very same element do not collide.
+    """
+    from .analysis import writes
+
+    found = instances(program)
+    out = []
+    for i, (pa, a) in enumerate(found):
+        for pb, b in found[i + 1:]:
+            if a is b or pb[: len(pa)] == pa or pa[: len(pb)] == pb:
+                continue
+            common = (writes(a) & writes(b)) - (a.scope.shared & b.scope.shared)
+            if common:
+                out.append({"paths": (format_path(pa), format_path(pb)), "registers": sorted(common),
+                            "instances": (a.scope, b.scope)})
+    return out
+
+
+def check_collisions(program: Element) -> None:
+    """Raise VerifyError for the first collision between instances (see ``collisions``)."""
+    found = collisions(program)
+    if not found:
+        return
+    c = found[0]
+    from .printer import listing
+    from .paths import parse_path
+
+    pa, pb = c["paths"]
+    names = ", ".join(repr(n) for n in c["registers"][:5])
+    a, b = c["instances"]
+    what = (f"two instances of template {a.template}" if a.template is not None and a.template == b.template
+            else "two instances")
+    hint = ("they share a namespace; give each its own" if a.namespace is not None and a.namespace == b.namespace
+            else "isolate them: sub.isolate('a'), sub.isolate('b')")
+    text = listing(program, {parse_path(pa): (">>", "instance"), parse_path(pb): (">>", "instance")})
+    raise VerifyError(f"register collision: {what} (paths {pa or '<root>'!r} and {pb or '<root>'!r}, {a!r} and "
+                      f"{b!r}) both write {names}; {hint}\n{text}", pb, c["registers"][0])
