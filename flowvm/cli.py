@@ -1,15 +1,22 @@
 """The flowvm command: run, resume, show, verify and list programs.
 
-    flowvm run pca --set batches=20 --checkpoint run.ckpt --every 1000
+    flowvm run mlp --set optimizer=sgd --checkpoint run.ckpt --every 500
     flowvm resume run.ckpt
     flowvm show run.ckpt
     flowvm verify programs/pca.py
-    flowvm list
+    flowvm list --options
 
 A *program module* has ``build(**options)`` returning a program; optionally
-``SHOW`` (register names to show while running) and ``report(registers)``
-(a summary printed at the end).  A target is a bundled program name
-(``pca``), a module name (``mypkg.train``) or a path to a .py file.
+``SHOW`` (register names shown while it runs), ``report(registers)`` (a
+summary printed at the end) and ``THREADS`` (the torch intra-op threads it
+runs best with; small models run fastest on one).  A target is a bundled program name (``pca``),
+a module name (``mypkg.train``) or a path to a .py file.
+
+Crash safety: with ``--checkpoint`` the run is saved atomically (temporary
+file, fsync, rename) every ``--every`` steps or ``--every-seconds`` seconds
+(every 60 s when neither is given), on SIGINT/SIGTERM, when a step raises,
+at ``--max-steps`` and at the end.  A SIGKILL loses only the steps since the
+last save, and ``flowvm resume`` continues bit for bit.
 """
 
 from __future__ import annotations
@@ -21,9 +28,7 @@ import importlib.util
 import inspect
 import os
 import pkgutil
-import signal
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,29 +36,61 @@ from typing import Any
 from . import checkpoint
 from .driver import Driver
 from .errors import CheckpointError, FlowError
+from .runner import DEFAULT_EVERY_SECONDS, Runner, static_steps
+
+KEY_ENV = "FLOWVM_CHECKPOINT_KEY"
 
 
 # ------------------------------------------------------------------ targets
 def load_module(target: str) -> ModuleType:
     """Import a program module from a bundled name, a module name or a .py path."""
     if target.endswith(".py") or os.sep in target or "/" in target:
-        path = Path(target).resolve()
-        if not path.is_file():
-            raise SystemExit(f"flowvm: no such program file: {target}")
-        bundled = _bundled_path(path.stem)
-        if bundled is not None and bundled == path:
-            return importlib.import_module(f"flowvm.programs.{path.stem}")
-        directory = str(path.parent)
-        if directory not in sys.path:
-            sys.path.insert(0, directory)
-        return importlib.import_module(path.stem)
+        return _load_file(Path(target))
     for name in (f"flowvm.programs.{target}", target):
         try:
             return importlib.import_module(name)
         except ModuleNotFoundError as err:
-            if err.name is None or not name.startswith(err.name):
-                raise
+            if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
+                raise SystemExit(_missing(name, err)) from err
     raise SystemExit(f"flowvm: no program {target!r} (try `flowvm list`, a module name or a .py file)")
+
+
+def _missing(program: str, err: ModuleNotFoundError) -> str:
+    """The message for a program whose own imports fail."""
+    hint = "pip install 'flowvm[torch]'" if err.name == "torch" else f"install the package that provides {err.name}"
+    return f"flowvm: {program} needs the module {err.name!r}, which is not installed ({hint})"
+
+
+def _load_file(path: Path) -> ModuleType:
+    """A program file, imported under its file name so that its objects pickle by reference."""
+    path = path.resolve()
+    if not path.is_file():
+        raise SystemExit(f"flowvm: no such program file: {path}")
+    bundled = _bundled_path(path.stem)
+    if bundled is not None and bundled == path:
+        return importlib.import_module(f"flowvm.programs.{path.stem}")
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        if getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == path:
+            return loaded
+        raise SystemExit(f"flowvm: cannot load {path}: a module named {name!r} is already imported from "
+                         f"{getattr(loaded, '__file__', 'elsewhere')}; rename the file")
+    directory = str(path.parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)  # so that the file's own imports of its neighbours work
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except ModuleNotFoundError as err:
+        del sys.modules[name]
+        raise SystemExit(_missing(str(path), err)) from err
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def _bundled_path(stem: str) -> Path | None:
@@ -65,6 +102,11 @@ def _bundled_path(stem: str) -> Path | None:
 
 
 def parse_sets(pairs: list[str], build) -> dict[str, Any]:
+    """``name=value`` pairs as build() options; values are Python literals, else strings.
+
+    A value must suit the option's default: an int option takes an int, a
+    float option an int or a float, a str option any text.
+    """
     params = inspect.signature(build).parameters
     options = {}
     for pair in pairs:
@@ -74,9 +116,22 @@ def parse_sets(pairs: list[str], build) -> dict[str, Any]:
         if name not in params:
             raise SystemExit(f"flowvm: the program has no option {name!r}; options: {', '.join(params)}")
         try:
-            options[name] = ast.literal_eval(text)
+            value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            options[name] = text
+            value = text
+        default = params[name].default
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise SystemExit(f"flowvm: option {name!r} is True or False, got {text!r}")
+        elif isinstance(default, int) and (isinstance(value, bool) or not isinstance(value, int)):
+            raise SystemExit(f"flowvm: option {name!r} takes an int (default {default}), got {text!r}")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise SystemExit(f"flowvm: option {name!r} takes a number (default {default}), got {text!r}")
+            value = float(value)
+        elif isinstance(default, str):
+            value = text
+        options[name] = value
     return options
 
 
@@ -87,158 +142,119 @@ def build_program(target: str, sets: list[str]):
     return module, module.build(**parse_sets(sets, module.build))
 
 
-# ------------------------------------------------------------------ running
-class _Stop:
-    """Turns SIGINT/SIGTERM into a request to checkpoint and stop at the next step boundary."""
-
-    def __init__(self):
-        self.signal: int | None = None
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
-        self.signal = signum
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-def _shown(drv: Driver, names: list[str]) -> str:
-    from .printer import fmt
-
-    parts = []
-    for name in names:
-        if name in drv.registers:
-            parts.append(f"{name}={fmt(drv.registers[name], 50)}")
-    return " ".join(parts)
-
-
-def drive(drv: Driver, show: list[str], ckpt: Path | None, every: int | None, every_seconds: float | None,
-          meta: dict, key: str | None, max_steps: int | None = None) -> int:
-    """Run drv with progress output and periodic checkpoints; return the exit status."""
-    tty = sys.stderr.isatty()
-    bar = None
-    if tty:
-        from tqdm import tqdm
-
-        bar = tqdm(initial=drv.steps, unit="step", dynamic_ncols=True, file=sys.stderr)
-    last_save_step, last_save_time = drv.steps, time.monotonic()
-    last_line = time.monotonic()
-    chunk = 1
-    limit = None if max_steps is None else drv.steps + max_steps
-
-    def save():
-        nonlocal last_save_step, last_save_time
-        if ckpt is not None:
-            checkpoint.save(drv, ckpt, key=key, meta=meta)
-            last_save_step, last_save_time = drv.steps, time.monotonic()
-
-    with _Stop() as stop:
-        while not drv.done and stop.signal is None and (limit is None or drv.steps < limit):
-            n = chunk
-            if every is not None:
-                n = max(1, min(n, last_save_step + every - drv.steps))
-            if limit is not None:
-                n = min(n, limit - drv.steps)
-            t0 = time.monotonic()
-            before = drv.steps
-            drv.run(max_steps=n)
-            took = time.monotonic() - t0
-            # aim for chunks of about 50 ms so that signals and output stay responsive
-            chunk = max(1, min(chunk * 2, int(chunk * 0.05 / took) if took > 0 else chunk * 2))
-            now = time.monotonic()
-            if bar is not None:
-                bar.update(drv.steps - before)
-                bar.set_postfix_str(_shown(drv, show), refresh=False)
-            elif now - last_line >= 2.0:
-                print(f"step {drv.steps} {_shown(drv, show)}".rstrip(), flush=True)
-                last_line = now
-            if ckpt is not None and not drv.done and (
-                    (every is not None and drv.steps - last_save_step >= every)
-                    or (every_seconds is not None and now - last_save_time >= every_seconds)):
-                save()
-        if bar is not None:
-            bar.close()
-        if drv.done:
-            if ckpt is not None:
-                save()
-            return 0
-        save()
-        if stop.signal is not None:
-            name = signal.Signals(stop.signal).name
-            where = f"; saved to {ckpt}, continue with `flowvm resume {ckpt}`" if ckpt else ""
-            print(f"flowvm: stopped by {name} at step {drv.steps}{where}", file=sys.stderr)
-            return 128 + stop.signal
-        return 0
-
-
-def _finish(drv: Driver, module: ModuleType | None) -> None:
+def _finish(drv: Driver, module: ModuleType | None, ckpt: Path | None) -> None:
     if not drv.done:
-        print(f"paused at step {drv.steps}")
+        hint = f"; continue with `flowvm resume {ckpt}`" if ckpt is not None else ""
+        print(f"paused at step {drv.steps}{hint}")
         return
     report = getattr(module, "report", None) if module is not None else None
     print(f"finished after {drv.steps} steps")
     print(report(drv.registers) if report is not None else registers_summary(drv.registers))
 
 
-def registers_summary(registers: dict) -> str:
+def describe_value(value: Any) -> tuple[str, str]:
+    """(type, detail) of a register value: shape and dtype for arrays, length for containers."""
     from .printer import fmt
 
+    kind = type(value).__name__
+    shape = getattr(value, "shape", None)
+    if shape is not None and not callable(shape):
+        dtype = str(getattr(value, "dtype", "")).replace("torch.", "")
+        return kind, f"shape {tuple(shape)} {dtype}".rstrip()
+    if isinstance(value, (list, tuple, dict)):
+        inner = sorted({type(v).__name__ for v in (value.values() if isinstance(value, dict) else value)})
+        what = f"{len(value)} items" + (f" of {', '.join(inner[:3])}" if inner else "")
+        if isinstance(value, dict):
+            what += ": keys " + fmt(list(value)[:6], 50)
+        return kind, what
+    if isinstance(value, float):
+        return kind, f"{value:.6g}"
+    return kind, fmt(value, 60)
+
+
+def registers_summary(registers: dict) -> str:
     rows = []
     for name, value in registers.items():
-        shape = getattr(value, "shape", None)
-        kind = type(value).__name__
-        detail = f"shape {tuple(shape)}, {getattr(value, 'dtype', '')}" if shape is not None else fmt(value, 60)
+        kind, detail = describe_value(value)
         rows.append(f"  {name:<16} {kind:<10} {detail}")
     return "registers:\n" + ("\n".join(rows) if rows else "  (none)")
 
 
 # ------------------------------------------------------------------ commands
+def _key(args) -> str | None:
+    return getattr(args, "key", None) or os.environ.get(KEY_ENV) or None
+
+
+def _runner(args, drv: Driver, meta: dict, ckpt: Path | None) -> Runner:
+    return Runner(drv, meta.get("show", []), ckpt, args.every, args.every_seconds, meta, _key(args),
+                  args.progress, args.progress_every)
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op thread count (before anything runs), when torch is used and a count is asked for."""
+    if threads is not None and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def _check_checkpoint_path(path: Path | None) -> None:
+    if path is not None:
+        if path.is_dir():
+            raise SystemExit(f"flowvm: --checkpoint {path} is a directory; give a file name")
+        if not path.parent.resolve().is_dir():
+            raise SystemExit(f"flowvm: --checkpoint {path}: no directory {path.parent}")
+
+
 def cmd_run(args) -> int:
+    _check_checkpoint_path(args.checkpoint)
+    module = load_module(args.target)
+    threads = args.threads if args.threads is not None else getattr(module, "THREADS", None)
+    set_threads(threads)
     module, program = build_program(args.target, args.set)
     drv = program.start()
-    meta = {"target": args.target, "module": module.__name__, "show": list(getattr(module, "SHOW", []))}
-    status = drive(drv, meta["show"], args.checkpoint, args.every, args.every_seconds, meta, args.key,
-                   args.max_steps)
-    _finish(drv, module)
+    target = args.target
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        target = str(Path(target).resolve())  # so that `flowvm resume` finds it from any directory
+    meta = {"target": target, "module": module.__name__, "sets": list(args.set),
+            "show": list(getattr(module, "SHOW", [])), "threads": threads}
+    status = _runner(args, drv, meta, args.checkpoint).run(args.max_steps)
+    _finish(drv, module, args.checkpoint)
     return status
 
 
+def _module_of(meta: dict) -> ModuleType | None:
+    """Import the saved run's program module first, so that its objects unpickle."""
+    try:
+        if meta.get("target"):
+            return load_module(meta["target"])
+        if meta.get("module"):
+            return importlib.import_module(meta["module"])
+    except (SystemExit, ImportError):
+        pass
+    return None
+
+
 def cmd_resume(args) -> int:
-    header = checkpoint.read_header(args.path)
-    meta = header.get("meta") or {}
-    module = None
-    if meta.get("module"):
-        try:
-            module = load_module(meta["target"]) if meta.get("target") else importlib.import_module(meta["module"])
-        except (SystemExit, ImportError):
-            module = None
-    drv = checkpoint.load(args.path, key=args.key)
+    _check_checkpoint_path(args.checkpoint)
+    meta = checkpoint.read_header(args.path).get("meta") or {}
+    module = _module_of(meta)
+    set_threads(args.threads if args.threads is not None else meta.get("threads"))
+    drv = checkpoint.load(args.path, key=_key(args))
     target = args.checkpoint if args.checkpoint is not None else Path(args.path)
-    status = drive(drv, meta.get("show", []), target, args.every, args.every_seconds, meta, args.key,
-                   args.max_steps)
-    _finish(drv, module)
+    status = _runner(args, drv, meta, target).run(args.max_steps)
+    _finish(drv, module, target)
     return status
 
 
 def cmd_show(args) -> int:
     header = checkpoint.read_header(args.path)
     meta = header.get("meta") or {}
-    if meta.get("target"):
-        try:
-            load_module(meta["target"])
-        except (SystemExit, ImportError):
-            pass
-    drv = checkpoint.load(args.path, key=args.key, restore_random=False)
-    print(f"# {args.path}: written by flowvm {header['flowvm']} (Python {header['python']}) at {header['created']}")
-    print(drv)
+    _module_of(meta)
+    drv = checkpoint.load(args.path, key=_key(args), restore_random=False)
+    what = f" {meta['target']}" + "".join(f" --set {s}" for s in meta.get("sets", [])) + "," \
+        if meta.get("target") else ""
+    print(f"# {args.path}:{what} written by flowvm {header['flowvm']} (Python {header['python']}) "
+          f"at {header['created']}")
+    print(drv)  # the listing, headed by the step count and marked at the position
     print(registers_summary(drv.registers))
     return 0
 
@@ -249,19 +265,38 @@ def cmd_verify(args) -> int:
     _, program = build_program(args.target, args.set)
     verify(program)
     print(program)
-    print(f"# {args.target}: verified")
+    total = static_steps(program)
+    print(f"# {args.target}: verified" + (f"; it takes {total} steps" if total is not None else ""))
     return 0
 
 
-def cmd_list(args) -> int:
+def bundled_programs() -> list[tuple[str, str, str]]:
+    """(name, first docstring line, build options) of each bundled program, read without importing it."""
     from . import programs
 
+    out = []
     for info in sorted(pkgutil.iter_modules(programs.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
             continue
-        module = importlib.import_module(f"flowvm.programs.{info.name}")
-        doc = (module.__doc__ or "").strip().splitlines()
-        print(f"{info.name:<12} {doc[0] if doc else ''}")
+        spec = importlib.util.find_spec(f"flowvm.programs.{info.name}")
+        tree = ast.parse(Path(spec.origin).read_text())
+        build = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build"), None)
+        if build is None:
+            continue
+        args = build.args.args[-len(build.args.defaults):] if build.args.defaults else []
+        options = " ".join(f"{a.arg}={ast.unparse(d)}" for a, d in zip(args, build.args.defaults))
+        doc = (ast.get_docstring(tree) or "").strip().splitlines()
+        out.append((info.name, doc[0] if doc else "", options))
+    return out
+
+
+def cmd_list(args) -> int:
+    found = bundled_programs()
+    width = max([10] + [len(name) for name, _, _ in found])
+    for name, doc, options in found:
+        print(f"{name:<{width}} {doc}")
+        if args.options:
+            print(f"{'':<{width}} options: {options}")
     return 0
 
 
@@ -269,22 +304,31 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowvm", description="Run learning algorithms written as flowvm programs.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def saving(sp):
+    def running(sp):
         sp.add_argument("--checkpoint", type=Path, help="save the run to this file (atomically)")
-        sp.add_argument("--every", type=int, help="save every N steps")
-        sp.add_argument("--every-seconds", type=float, help="save every S seconds")
-        sp.add_argument("--max-steps", type=int, help="pause (and save) after this many more steps")
-        sp.add_argument("--key", help="sign checkpoints with this key (and require it on load)")
+        sp.add_argument("--every", type=int, metavar="N", help="save every N steps")
+        sp.add_argument("--every-seconds", type=float, metavar="S",
+                        help=f"save every S seconds (default {DEFAULT_EVERY_SECONDS:g} with --checkpoint and "
+                             "no --every)")
+        sp.add_argument("--max-steps", type=int, metavar="N", help="pause (and save) after N more steps")
+        sp.add_argument("--key", help=f"sign checkpoints with this key and require it on load "
+                                      f"(default: ${KEY_ENV})")
+        sp.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
+                        help="a progress bar on a terminal, plain lines otherwise (auto)")
+        sp.add_argument("--progress-every", type=float, default=2.0, metavar="S",
+                        help="seconds between plain progress lines (default 2)")
+        sp.add_argument("--threads", type=int, metavar="N",
+                        help="torch intra-op threads (default: the program's THREADS, else torch's own)")
 
     run = sub.add_parser("run", help="run a program")
     run.add_argument("target", help="bundled program name, module name or .py file")
     run.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a build() option")
-    saving(run)
+    running(run)
     run.set_defaults(func=cmd_run)
 
     resume = sub.add_parser("resume", help="continue a saved run")
     resume.add_argument("path", type=Path)
-    saving(resume)
+    running(resume)
     resume.set_defaults(func=cmd_resume)
 
     show = sub.add_parser("show", help="print a saved run: program, position, registers")
@@ -298,16 +342,27 @@ def parser() -> argparse.ArgumentParser:
     verify.set_defaults(func=cmd_verify)
 
     lst = sub.add_parser("list", help="list the bundled programs")
+    lst.add_argument("--options", action="store_true", help="also print each program's build() options")
     lst.set_defaults(func=cmd_list)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if getattr(args, "every", None) is not None and args.every < 1:
-        raise SystemExit("flowvm: --every must be >= 1")
+    for name in ("every", "max_steps", "threads"):
+        value = getattr(args, name, None)
+        least = 0 if name == "max_steps" else 1
+        if value is not None and value < least:
+            raise SystemExit(f"flowvm: --{name.replace('_', '-')} must be >= {least}")
+    if getattr(args, "every_seconds", None) is not None and not args.every_seconds > 0:
+        raise SystemExit("flowvm: --every-seconds must be > 0")
+    if args.command == "run" and args.checkpoint is None and (args.every or args.every_seconds):
+        raise SystemExit("flowvm: --every and --every-seconds need --checkpoint PATH (where to save)")
     try:
         return args.func(args)
     except (CheckpointError, FlowError) as err:
         print(f"flowvm: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `flowvm show run.ckpt | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -5,7 +5,7 @@ into running moments, and recompute the principal components after each
 batch.  The data come from a seeded Gaussian stream whose covariance has a
 known spectrum, so the result can be checked against numpy's SVD.
 
-    python -m flowvm run programs/pca.py --set batches=20
+    flowvm run pca --set batches=20 --set components=4
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ class StreamingPCA:
 
 def build(samples: int = 1000, batches: int = 5, dim: int = 13, components: int = 3, seed: int = 123):
     """PCA of batches x samples points of a dim-dimensional Gaussian stream."""
+    if not 1 <= components <= dim:
+        raise ValueError(f"pca: components must be between 1 and dim={dim}, got {components}")
+    if samples < 1 or batches < 1 or samples * batches < 2:
+        raise ValueError(f"pca: needs at least 2 samples in all (samples={samples}, batches={batches})")
     reg = Registers()
     dataset = GaussianStream(dim, seed)
     pca = StreamingPCA(components)

@@ -1,0 +1,288 @@
+"""The flowvm command, driven as a real subprocess: run, --set, resume, show, verify, list, progress output."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import select
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import flowvm
+from flowvm.cli import bundled_programs, parse_sets
+from flowvm.runner import short_value, static_steps
+from flowvm.programs import pca
+from flowvm.testing import diff, outcome
+
+ROOT = Path(__file__).resolve().parent.parent
+FLOWVM = shutil.which("flowvm", path=os.path.dirname(sys.executable))
+COMMAND = [FLOWVM] if FLOWVM else [sys.executable, "-m", "flowvm"]
+
+
+def flowvm_cmd(*args, cwd=None, env=None, check=True, timeout=120) -> subprocess.CompletedProcess:
+    done = subprocess.run(COMMAND + [str(a) for a in args], capture_output=True, text=True, cwd=cwd or ROOT,
+                          env=env, timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"flowvm {' '.join(map(str, args))} exited {done.returncode}:\n{done.stderr}")
+    return done
+
+
+def saved(path) -> dict:
+    drv = flowvm.load(path, restore_random=False)
+    assert drv.done
+    return outcome(drv)
+
+
+SMALL_PCA = ["--set", "batches=2", "--set", "samples=50", "--set", "dim=3", "--set", "components=2"]
+
+
+# ------------------------------------------------------------------ run, --set, resume
+def test_run_prints_the_report_and_set_overrides_builder_options():
+    out = flowvm_cmd("run", "kmeans", "--set", "clusters=3", "--set", "samples=300", "--set", "restarts=2",
+                     "--progress", "none")
+    assert "k-means: 3 clusters of 300 points, best of 2 restarts" in out.stdout
+    assert out.stdout.startswith("finished after ") and out.stderr == ""
+
+
+def test_run_a_program_file_and_resume_it_from_another_directory(tmp_path):
+    ckpt = tmp_path / "k.ckpt"
+    out = flowvm_cmd("run", "programs/kmeans.py", "--set", "samples=300", "--checkpoint", ckpt,
+                     "--max-steps", 20, "--progress", "none")
+    assert f"paused at step 20; continue with `flowvm resume {ckpt}`" in out.stdout
+    assert flowvm.checkpoint.read_header(ckpt)["steps"] == 20
+    flowvm_cmd("resume", ckpt, "--progress", "none", cwd=tmp_path)
+    flowvm_cmd("run", "kmeans", "--set", "samples=300", "--checkpoint", tmp_path / "straight.ckpt",
+               "--progress", "none")
+    assert not diff(saved(tmp_path / "straight.ckpt"), saved(ckpt))
+
+
+def test_a_user_program_file_with_lambdas_runs_pauses_and_resumes(tmp_path, monkeypatch):
+    (tmp_path / "helper_mod.py").write_text("def double(v):\n    return 2 * v\n")
+    (tmp_path / "mytrain.py").write_text(textwrap.dedent('''\
+        """A user's own program."""
+        import random
+        from flowvm import CALL, REPEAT, Registers
+        from helper_mod import double
+
+        SHOW = ["total"]
+
+        def build(steps=40, scale=1.5):
+            random.seed(1)
+            reg = Registers(total=0.0)
+            return REPEAT(steps, CALL(lambda t: double(t) % 97 + scale * random.random(), reg("total"),
+                                      store_to=reg("total")))
+
+        def report(registers):
+            return f"total is {registers['total']!r}"
+    '''))
+    ckpt, straight = tmp_path / "u.ckpt", tmp_path / "s.ckpt"
+    flowvm_cmd("run", tmp_path / "mytrain.py", "--set", "scale=2", "--checkpoint", ckpt, "--max-steps", 13,
+               "--progress", "none", cwd=tmp_path)
+    resumed = flowvm_cmd("resume", ckpt, "--progress", "none", cwd=ROOT)
+    assert "total is " in resumed.stdout
+    # the same run uninterrupted: random.random() went on from its saved state
+    flowvm_cmd("run", "mytrain.py", "--set", "scale=2", "--checkpoint", straight, "--progress", "none",
+               cwd=tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # to load the checkpoints here
+    assert not diff(saved(straight), saved(ckpt))
+    assert saved(ckpt)["steps"] == 40
+
+
+@pytest.mark.parametrize("pair, words", [
+    ("nosuch=1", "the program has no option 'nosuch'; options: samples, batches"),
+    ("batches=two", "option 'batches' takes an int (default 5), got 'two'"),
+    ("batches", "--set expects name=value"),
+])
+def test_bad_set_options_are_named(pair, words):
+    out = flowvm_cmd("run", "pca", "--set", pair, check=False)
+    assert out.returncode == 1 and words in out.stderr
+
+
+def test_parse_sets_converts_to_the_default_type():
+    def build(lr=0.1, name="x", n=3, flag=False, anything=None):
+        pass
+
+    assert parse_sets(["lr=1", "name=42", "n=7", "flag=True", "anything=[1, 2]"], build) == {
+        "lr": 1.0, "name": "42", "n": 7, "flag": True, "anything": [1, 2]}
+    with pytest.raises(SystemExit, match="'flag' is True or False"):
+        parse_sets(["flag=1"], build)
+    with pytest.raises(SystemExit, match="'lr' takes a number"):
+        parse_sets(["lr=fast"], build)
+
+
+def test_unknown_targets_and_missing_files_are_named(tmp_path):
+    out = flowvm_cmd("run", "no_such_program_anywhere", check=False)
+    assert out.returncode == 1 and "no program 'no_such_program_anywhere'" in out.stderr
+    (tmp_path / "needs.py").write_text("import not_a_real_module_xyz\n\ndef build():\n    pass\n")
+    out = flowvm_cmd("run", tmp_path / "needs.py", check=False)
+    assert out.returncode == 1 and "needs.py needs the module 'not_a_real_module_xyz', which is not installed" \
+        in out.stderr and "Traceback" not in out.stderr
+    out = flowvm_cmd("run", tmp_path / "missing.py", check=False)
+    assert out.returncode == 1 and "no such program file" in out.stderr
+    out = flowvm_cmd("run", "pca", "--every", 10, check=False)
+    assert out.returncode == 1 and "--every and --every-seconds need --checkpoint PATH" in out.stderr
+    out = flowvm_cmd("run", "pca", "--checkpoint", tmp_path / "nodir" / "x.ckpt", check=False)
+    assert out.returncode == 1 and "no directory" in out.stderr
+    out = flowvm_cmd("resume", tmp_path / "missing.ckpt", check=False)
+    assert out.returncode == 2 and "missing.ckpt': no such file" in out.stderr
+
+
+def test_a_failing_step_saves_the_run_and_resume_retries_it(tmp_path):
+    (tmp_path / "flaky.py").write_text(textwrap.dedent('''\
+        import os
+        from flowvm import CALL, REPEAT, Registers
+
+        def bump(n):
+            if n == 5 and os.environ.get("FLAKY"):
+                raise OSError("the disk is gone")
+            return n + 1
+
+        def build():
+            reg = Registers(n=0)
+            return REPEAT(9, CALL(bump, reg("n"), store_to=reg("n")))
+    '''))
+    ckpt = tmp_path / "f.ckpt"
+    out = flowvm_cmd("run", tmp_path / "flaky.py", "--checkpoint", ckpt, "--progress", "none",
+                     env=dict(os.environ, FLAKY="1"), check=False)
+    assert out.returncode == 1 and "OSError: the disk is gone" in out.stderr
+    assert f"the run is saved at step 5 in {ckpt}" in out.stderr
+    out = flowvm_cmd("resume", ckpt, "--progress", "none")
+    assert "finished after 9 steps" in out.stdout
+    assert "  n                int        9" in out.stdout  # no report(): the registers summary
+
+
+def test_signed_checkpoints_with_the_key_from_the_environment(tmp_path):
+    ckpt = tmp_path / "signed.ckpt"
+    env = dict(os.environ, FLOWVM_CHECKPOINT_KEY="s3cret")
+    flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--max-steps", 10, "--progress", "none", env=env)
+    assert flowvm.checkpoint.read_header(ckpt)["signed"]
+    out = flowvm_cmd("resume", ckpt, "--key", "wrong", "--progress", "none", check=False)
+    assert out.returncode == 2 and "signature does not match" in out.stderr
+    flowvm_cmd("resume", ckpt, "--progress", "none", env=env)
+    assert flowvm.load(ckpt, key="s3cret", restore_random=False).done
+
+
+# ------------------------------------------------------------------ show, verify, list
+def test_show_prints_the_listing_with_the_position_steps_and_registers(tmp_path):
+    ckpt = tmp_path / "s.ckpt"
+    flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--max-steps", 77, "--progress", "none")
+    out = flowvm_cmd("show", ckpt).stdout.splitlines()
+    assert out[0].startswith(f"# {ckpt}: pca --set batches=2 --set samples=50 --set dim=3 --set components=2, "
+                             "written by flowvm ")
+    assert out[1:] == [
+        "# flowvm driver: step 77, next: path '0.0.0.0'",
+        "   SEQ:  # at 1 of 2",
+        "       REPEAT 2 (counter batch):  # 1 of 2 done",
+        "           SEQ:  # at 1 of 3",
+        "               x = BUFFER 50:  # 25 of 50 done",
+        ">>                 GaussianStream.next()",
+        "               components = StreamingPCA.analyze(x)",
+        "               explained = StreamingPCA.explained()",
+        "       components = StreamingPCA.components()",
+        "registers:",
+        "  batch            int        1",
+        "  x                ndarray    shape (50, 3) float64",
+        "  components       ndarray    shape (2, 3) float64",
+        "  explained        list       2 items of float",
+    ]
+
+
+def test_show_summarizes_tensors_and_containers(tmp_path):
+    from flowvm.programs import mlp
+
+    ckpt = tmp_path / "m.ckpt"
+    drv = mlp.build(epochs=1).start()
+    drv.run(max_steps=9)
+    flowvm.save(drv, ckpt)  # a checkpoint written by the library, shown by the command
+    out = flowvm_cmd("show", ckpt).stdout
+    assert "  x_test           Tensor     shape (1000, 2) float32" in out
+    assert "  batch            tuple      2 items of Tensor" in out
+    assert "  loss             float      " in out
+    assert "  history          list       0 items" in out
+    assert ">>" in out and "step 9" in out
+
+
+def test_verify_prints_the_program_and_its_step_count():
+    out = flowvm_cmd("verify", "pca", "--set", "batches=2").stdout
+    assert out.splitlines()[-1] == "# pca: verified; it takes 2005 steps"  # 2 x (1000 samples + 2) + 1
+    assert str(pca.build(batches=2)) in out
+    out = flowvm_cmd("verify", "kmeans").stdout
+    assert out.splitlines()[-1] == "# kmeans: verified"
+
+
+def test_list_names_every_bundled_program_with_its_first_doc_line():
+    out = flowvm_cmd("list", "--options").stdout.splitlines()
+    names = [line.split()[0] for line in out if not line.startswith(" ")]
+    assert {"pca", "kmeans", "mlp", "rbm", "lbfgs"} <= set(names)
+    k = names.index("pca")
+    pca_lines = [line for line in out if line.startswith("pca ")]
+    assert pca_lines[0].split(None, 1)[1] == "Principal component analysis over a stream of samples."
+    options = out[out.index(pca_lines[0]) + 1]
+    assert options.startswith(" ") and options.strip() == \
+        "options: samples=1000 batches=5 dim=13 components=3 seed=123"
+    assert k == sorted(names).index("pca")
+    assert [n for n, _, _ in bundled_programs()] == names
+
+
+def test_static_steps_counts_only_fixed_shapes():
+    assert static_steps(pca.build(batches=3, samples=10)) == 3 * (10 + 2) + 1
+    from flowvm.programs import kmeans
+
+    assert static_steps(kmeans.build()) is None  # a WHILE
+
+
+def test_short_value_formats_numbers_compactly():
+    import numpy as np
+
+    assert short_value(0.123456789) == "0.12346"
+    assert short_value(np.float64(2.5e-7)) == "2.5e-07"
+    assert short_value(np.zeros((2, 3))) == "<array float64 2x3>"
+    assert short_value(7) == "7"
+
+
+# ------------------------------------------------------------------ progress
+def test_plain_progress_lines_when_not_a_terminal():
+    out = flowvm_cmd("run", "rbm", "--set", "epochs=3", "--progress-every", "0.01")
+    lines = out.stderr.splitlines()
+    assert lines[0] == "flowvm: running from step 0"
+    progress = [line for line in lines[1:] if line.startswith("step ")]
+    assert progress and progress[-1].startswith("step 609/609 (")  # 2 + 3 x (100 x 2 + 2) + 1
+    assert "epoch=3" in progress[-1] and "error=" in progress[-1]
+    assert "\r" not in out.stderr
+
+
+def test_a_progress_bar_on_a_terminal():
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
+    proc = subprocess.Popen(COMMAND + ["run", "pca", "--set", "batches=3"], stdout=subprocess.PIPE,
+                            stderr=follower, cwd=ROOT)
+    os.close(follower)
+    chunks, deadline = [], time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([leader], [], [], 0.1)
+        if ready:
+            try:
+                data = os.read(leader, 4096)
+            except OSError:  # the terminal closed
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    os.close(leader)
+    stdout = proc.communicate(timeout=30)[0].decode()
+    seen = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0
+    assert "\r" in seen and "step/s" in seen and "3007/3007" in seen and "100%" in seen
+    assert "batch=3" in seen  # the registers the program shows
+    assert "finished after 3007 steps" in stdout

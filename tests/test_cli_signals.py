@@ -1,0 +1,139 @@
+"""Crash safety of the flowvm command: SIGKILL at a random moment loses only the steps since the last save,
+SIGINT and SIGTERM save and exit cleanly, and resuming gives the uninterrupted run's registers bit for bit."""
+
+from __future__ import annotations
+
+import importlib
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import flowvm
+from flowvm.testing import diff, outcome
+
+from test_cli import COMMAND, ROOT, flowvm_cmd, saved
+
+PROGRAMS = {
+    # name: (build() options, --every)
+    "rbm": ({"epochs": 6}, 100),
+    "kmeans": ({"samples": 10000, "restarts": 2}, 10),
+    "mlp": ({"epochs": 4}, 30),
+}
+
+
+def wait_for(path: Path, proc: subprocess.Popen, steps: int = 1, timeout: float = 90) -> None:
+    """Wait until the run has saved a checkpoint of at least `steps` steps."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if path.exists():
+            try:
+                if flowvm.checkpoint.read_header(path)["steps"] >= steps:
+                    return
+            except flowvm.CheckpointError:  # replaced while being read
+                pass
+        if proc.poll() is not None:
+            raise AssertionError(f"flowvm exited {proc.returncode} before saving step {steps}:\n"
+                                 f"{proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no checkpoint of {steps} steps after {timeout} s")
+        time.sleep(0.002)
+
+
+def start(name: str, ckpt: Path, *saving: str, options: dict | None = None) -> subprocess.Popen:
+    default, every = PROGRAMS[name]
+    options = default if options is None else options
+    sets = [arg for k, v in options.items() for arg in ("--set", f"{k}={v}")]
+    saving = saving or ("--every", str(every))
+    return subprocess.Popen(COMMAND + ["run", name, *sets, "--checkpoint", str(ckpt), *saving,
+                                       "--progress", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+_straight: dict = {}
+
+
+def straight_run(name: str, options: dict | None = None) -> dict:
+    """The uninterrupted run, here in the test process: the command must give the library's result."""
+    options = PROGRAMS[name][0] if options is None else options
+    key = (name, tuple(sorted(options.items())))
+    if key not in _straight:
+        module = importlib.import_module(f"flowvm.programs.{name}")
+        threads = getattr(module, "THREADS", None)
+        if threads is not None:  # as the command does
+            torch = importlib.import_module("torch")
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+        try:
+            drv = module.build(**options).start()
+            drv.run()
+        finally:
+            if threads is not None:
+                torch.set_num_threads(before)
+        _straight[key] = outcome(drv)
+    return _straight[key]
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_sigkill_at_a_random_moment_then_resume_gives_the_uninterrupted_registers(name, tmp_path):
+    expected = straight_run(name)
+    every = PROGRAMS[name][1]
+    seed = random.randrange(2 ** 32)
+    rng = random.Random(seed)
+    ckpt = tmp_path / "run.ckpt"
+    for attempt in range(3):
+        # a random moment: just after a random save point, with a little jitter
+        target = rng.randrange(every, expected["steps"] - 4 * every, every)
+        ckpt.unlink(missing_ok=True)
+        proc = start(name, ckpt)
+        wait_for(ckpt, proc, target)
+        time.sleep(rng.uniform(0.0, 0.002))
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+        if proc.returncode == -signal.SIGKILL and not flowvm.checkpoint.read_header(ckpt)["done"]:
+            break  # else the run got to its end before the kill landed: draw again
+    else:
+        pytest.fail(f"the run always finished before SIGKILL (seed {seed})")
+    header = flowvm.checkpoint.read_header(ckpt)
+    assert not header["done"] and header["steps"] % every == 0 and target <= header["steps"] < expected["steps"], \
+        f"seed {seed}: {header}"
+    out = flowvm_cmd("resume", ckpt, "--progress", "none")
+    assert f"finished after {expected['steps']} steps" in out.stdout
+    problems = diff(expected, saved(ckpt))
+    assert not problems, f"killed at step {header['steps']} (seed {seed}): " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_sigint_and_sigterm_save_and_exit_cleanly(sig, tmp_path):
+    expected = straight_run("rbm")
+    ckpt = tmp_path / "run.ckpt"
+    proc = start("rbm", ckpt)
+    wait_for(ckpt, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    header = flowvm.checkpoint.read_header(ckpt)
+    name = signal.Signals(sig).name
+    assert f"flowvm: stopped by {name} at step {header['steps']}; saved to {ckpt}, continue with " \
+           f"`flowvm resume {ckpt}`" in err
+    assert not header["done"] and 0 < header["steps"] < expected["steps"]
+    assert not list(tmp_path.glob(".run.ckpt.*.tmp"))  # no half-written file left behind
+    flowvm_cmd("resume", ckpt, "--progress", "none")
+    assert not diff(expected, saved(ckpt))
+
+
+def test_every_seconds_saves_while_the_run_goes_on(tmp_path):
+    longer = {"epochs": 60}  # long enough (a few tenths of a second) for timed saves on a fast machine
+    expected = straight_run("rbm", longer)
+    ckpt = tmp_path / "timed.ckpt"
+    proc = start("rbm", ckpt, "--every-seconds", "0.02", options=longer)
+    wait_for(ckpt, proc)
+    first = flowvm.checkpoint.read_header(ckpt)
+    assert not first["done"] and 0 < first["steps"] < expected["steps"]  # saved by the clock, mid-run
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert not diff(expected, saved(ckpt))
