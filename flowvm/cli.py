@@ -16,7 +16,9 @@ Crash safety: with ``--checkpoint`` the run is saved atomically (temporary
 file, fsync, rename) every ``--every`` steps or ``--every-seconds`` seconds
 (every 60 s when neither is given), on SIGINT/SIGTERM, when a step raises,
 at ``--max-steps`` and at the end.  A SIGKILL loses only the steps since the
-last save, and ``flowvm resume`` continues bit for bit.
+last save, and ``flowvm resume`` continues bit for bit, saving as often as
+the run was told to unless given a new interval.  ``--key`` signs
+checkpoints; a signed file is only resumed or shown with its key.
 """
 
 from __future__ import annotations
@@ -185,6 +187,14 @@ def _key(args) -> str | None:
     return getattr(args, "key", None) or os.environ.get(KEY_ENV) or None
 
 
+def _key_for(args, header: dict, path: Path) -> str | None:
+    """The key to load a saved run with: a signed file is only loaded with its key (and stays signed)."""
+    key = _key(args)
+    if header.get("signed") and key is None:
+        raise SystemExit(f"flowvm: {path} is signed: give its key with --key or ${KEY_ENV}")
+    return key
+
+
 def _runner(args, drv: Driver, meta: dict, ckpt: Path | None) -> Runner:
     return Runner(drv, meta.get("show", []), ckpt, args.every, args.every_seconds, meta, _key(args),
                   args.progress, args.progress_every)
@@ -215,7 +225,8 @@ def cmd_run(args) -> int:
     if target.endswith(".py") or os.sep in target or "/" in target:
         target = str(Path(target).resolve())  # so that `flowvm resume` finds it from any directory
     meta = {"target": target, "module": module.__name__, "sets": list(args.set),
-            "show": list(getattr(module, "SHOW", [])), "threads": threads}
+            "show": list(getattr(module, "SHOW", [])), "threads": threads,
+            "every": args.every, "every_seconds": args.every_seconds}
     status = _runner(args, drv, meta, args.checkpoint).run(args.max_steps)
     _finish(drv, module, args.checkpoint)
     return status
@@ -235,10 +246,16 @@ def _module_of(meta: dict) -> ModuleType | None:
 
 def cmd_resume(args) -> int:
     _check_checkpoint_path(args.checkpoint)
-    meta = checkpoint.read_header(args.path).get("meta") or {}
+    header = checkpoint.read_header(args.path)
+    meta = header.get("meta") or {}
+    key = _key_for(args, header, args.path)
     module = _module_of(meta)
     set_threads(args.threads if args.threads is not None else meta.get("threads"))
-    drv = checkpoint.load(args.path, key=_key(args))
+    if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
+        args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
+    else:
+        meta = dict(meta, every=args.every, every_seconds=args.every_seconds)
+    drv = checkpoint.load(args.path, key=key)
     target = args.checkpoint if args.checkpoint is not None else Path(args.path)
     status = _runner(args, drv, meta, target).run(args.max_steps)
     _finish(drv, module, target)
@@ -248,8 +265,9 @@ def cmd_resume(args) -> int:
 def cmd_show(args) -> int:
     header = checkpoint.read_header(args.path)
     meta = header.get("meta") or {}
+    key = _key_for(args, header, args.path)
     _module_of(meta)
-    drv = checkpoint.load(args.path, key=_key(args), restore_random=False)
+    drv = checkpoint.load(args.path, key=key, restore_random=False)
     what = f" {meta['target']}" + "".join(f" --set {s}" for s in meta.get("sets", [])) + "," \
         if meta.get("target") else ""
     print(f"# {args.path}:{what} written by flowvm {header['flowvm']} (Python {header['python']}) "

@@ -171,6 +171,42 @@ def test_signed_checkpoints_with_the_key_from_the_environment(tmp_path):
     assert flowvm.load(ckpt, key="s3cret", restore_random=False).done
 
 
+def test_a_signed_checkpoint_is_not_read_or_rewritten_without_its_key(tmp_path):
+    ckpt = tmp_path / "signed.ckpt"
+    flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--max-steps", 10, "--key", "s3cret",
+               "--progress", "none")
+    env = {k: v for k, v in os.environ.items() if k != "FLOWVM_CHECKPOINT_KEY"}
+    before = ckpt.read_bytes()
+    for command in (["resume", ckpt, "--progress", "none"], ["show", ckpt]):
+        out = flowvm_cmd(*command, env=env, check=False)
+        assert out.returncode != 0 and f"{ckpt} is signed: give its key with --key" in out.stderr, out.stderr
+    assert ckpt.read_bytes() == before  # not rewritten unsigned
+    flowvm_cmd("resume", ckpt, "--key", "s3cret", "--progress", "none", env=env)
+    header = flowvm.checkpoint.read_header(ckpt)
+    assert header["signed"] and header["done"]  # still signed after the resumed run saved it
+
+
+def test_resume_keeps_saving_as_often_as_the_run_was_told(tmp_path, monkeypatch):
+    from flowvm import cli
+
+    ckpt = tmp_path / "k.ckpt"
+    flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--every", 7, "--max-steps", 10,
+               "--progress", "none")
+    assert flowvm.checkpoint.read_header(ckpt)["meta"]["every"] == 7
+    seen = []
+    real = cli.Runner
+
+    def recording(drv, show, path, every, every_seconds, *rest):
+        seen.append((every, every_seconds))
+        return real(drv, show, path, every, every_seconds, *rest)
+
+    monkeypatch.setattr(cli, "Runner", recording)
+    assert cli.main(["resume", str(ckpt), "--max-steps", "3", "--progress", "none"]) == 0
+    assert cli.main(["resume", str(ckpt), "--max-steps", "3", "--every-seconds", "5", "--progress", "none"]) == 0
+    assert cli.main(["resume", str(ckpt), "--max-steps", "3", "--progress", "none"]) == 0
+    assert seen == [(7, None), (None, 5.0), (None, 5.0)]  # a new choice given on resume is kept from then on
+
+
 # ------------------------------------------------------------------ show, verify, list
 def test_show_prints_the_listing_with_the_position_steps_and_registers(tmp_path):
     ckpt = tmp_path / "s.ckpt"
