@@ -84,7 +84,8 @@ def default_executor():
 
             methods = multiprocessing.get_all_start_methods()
             ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-            _pool = ProcessPoolExecutor(max_workers=default_workers(), mp_context=ctx)
+            _pool = ProcessPoolExecutor(max_workers=default_workers(), mp_context=ctx,
+                                        initializer=worker_setup, initargs=(os.getpid(),))
             if not _exit_hook_installed:
                 # concurrent.futures joins its pools before atexit callbacks run, waiting for
                 # running work; this hook must run first, so it registers the same way, later.
@@ -93,8 +94,48 @@ def default_executor():
                     (register or __import__("atexit").register)(shutdown_default_executor, kill=True)
                 except RuntimeError:  # pragma: no cover - interpreter already shutting down
                     pass
+                # In a multiprocessing child (a fragment that SPAWNs), exiting joins the child's
+                # own children before either hook above runs: a finalizer runs before that join.
+                from multiprocessing import util
+
+                util.Finalize(None, shutdown_default_executor, kwargs={"kill": True}, exitpriority=100)
                 _exit_hook_installed = True
         return _pool
+
+
+def worker_setup(parent: int) -> None:
+    """Run in each worker of the default pool when it starts; parent is the pid of the pool's owner.
+
+    - Ctrl-C in a terminal signals the whole process group, workers included:
+      the parent decides what a SIGINT means (save and stop), so workers
+      ignore it and their fragments are not cut short.
+    - A worker exits when its parent is gone, even killed with SIGKILL, so
+      that no worker (nor the forkserver, which lives as long as a worker
+      does) is left behind running an abandoned fragment.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while _alive(parent):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="flowvm-parent-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process pid runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # gone, or the pid is now another user's
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):  # not Linux
+        return True
 
 
 def shutdown_default_executor(kill: bool = False) -> None:

@@ -21,6 +21,7 @@ from . import checkpoint
 from .driver import Driver
 
 DEFAULT_EVERY_SECONDS = 60.0
+_MAX_CHUNK = 1 << 20  # steps per driver.run() call, at most
 
 
 def static_steps(program) -> int | None:
@@ -146,7 +147,7 @@ class Runner:
                         drv.run(max_steps=n)
                     took = time.monotonic() - t0
                     # chunks of about 50 ms keep signals and output responsive
-                    chunk = max(1, min(chunk * 2, int(chunk * 0.05 / took) if took > 0 else chunk * 2))
+                    chunk = max(1, min(chunk * 2, _MAX_CHUNK, int(n * 0.05 / took) if took > 0 else _MAX_CHUNK))
                     now = time.monotonic()
                     if bar is not None:
                         bar.update(drv.steps - before)

@@ -322,3 +322,12 @@ def test_a_progress_bar_on_a_terminal():
     assert "\r" in seen and "step/s" in seen and "3007/3007" in seen and "100%" in seen
     assert "batch=3" in seen  # the registers the program shows
     assert "finished after 3007 steps" in stdout
+
+
+def test_saving_after_every_step_for_thousands_of_steps(tmp_path):
+    from flowvm import CALL, REPEAT
+    from flowvm.runner import Runner
+
+    drv = REPEAT(1100, CALL(abs, -1)).start()
+    assert Runner(drv, [], tmp_path / "r.ckpt", every=1, progress="none").run() == 0
+    assert drv.done and flowvm.checkpoint.read_header(tmp_path / "r.ckpt")["steps"] == 1100

@@ -137,3 +137,32 @@ def test_every_seconds_saves_while_the_run_goes_on(tmp_path):
     proc.communicate(timeout=60)
     assert proc.returncode == 0
     assert not diff(expected, saved(ckpt))
+
+
+def test_ctrl_c_while_spawned_trials_run_stops_the_whole_group_cleanly(tmp_path):
+    """A terminal's Ctrl-C reaches every process of the group, the pool's workers too: the run must
+    still save and exit 130, and the resumed run must finish (the trials run again)."""
+    import os
+
+    ckpt = tmp_path / "sweep.ckpt"
+    proc = subprocess.Popen(COMMAND + ["run", "sweep", "--set", "trials=2", "--set", "epochs=3",
+                                       "--set", "samples=2000", "--checkpoint", str(ckpt), "--every", "1",
+                                       "--progress", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        wait_for(ckpt, proc, steps=2)  # both trials submitted
+        time.sleep(1.0)  # and running in the workers
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    steps = flowvm.checkpoint.read_header(ckpt)["steps"]
+    # nothing else: no worker's KeyboardInterrupt traceback, no crash message
+    assert err.strip() == f"flowvm: stopped by SIGINT at step {steps}; saved to {ckpt}, continue with " \
+                          f"`flowvm resume {ckpt}`", err
+    assert not flowvm.checkpoint.read_header(ckpt)["done"]
+    out = flowvm_cmd("resume", ckpt, "--progress", "none")
+    assert "best: trial" in out.stdout and flowvm.checkpoint.read_header(ckpt)["done"]

@@ -237,6 +237,55 @@ def test_a_worker_killed_from_outside_while_the_fragment_runs_is_a_clear_error(t
     assert drv.position == "0"
 
 
+def write_pid_and_return_after(path, seconds):
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(seconds)
+    return "finished"
+
+
+def test_workers_of_the_default_pool_ignore_ctrl_c_which_the_parent_handles(tmp_path):
+    """A terminal's Ctrl-C signals the workers too: their fragments must go on, not die half-way."""
+    path = tmp_path / "pid"
+    drv = SPAWN(CALL(write_pid_and_return_after, str(path), 1.0)).start()
+    drv.step()
+    end = time.monotonic() + 20
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    os.kill(int(path.read_text()), signal.SIGINT)
+    assert drv.run(timeout=20) == "finished"
+
+
+def test_a_parent_killed_outright_leaves_no_worker_behind(tmp_path):
+    import subprocess
+    import sys
+
+    import psutil
+
+    path = tmp_path / "pid"
+    script = ("import sys, time\n"
+              "from flowvm import CALL, SPAWN\n"
+              "from test_spawn import write_pid_and_return_after\n"
+              "drv = SPAWN(CALL(write_pid_and_return_after, sys.argv[1], 60)).start()\n"
+              "while True:\n"
+              "    drv.step(); time.sleep(0.01)\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    parent = subprocess.Popen([sys.executable, "-c", script, str(path)], env=env)
+    try:
+        end = time.monotonic() + 30
+        while not (path.exists() and path.read_text()):
+            assert time.monotonic() < end and parent.poll() is None
+            time.sleep(0.01)
+        worker = psutil.Process(int(path.read_text()))
+    finally:
+        parent.kill()
+        parent.wait()
+    gone, alive = psutil.wait_procs([worker], timeout=10)
+    assert not alive, f"worker {worker.pid} outlived its parent"
+
+
 def test_a_killed_worker_of_a_user_pool_is_a_clear_error():
     with cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as ex:
         with pytest.raises(SpawnError, match="died"):
@@ -350,6 +399,10 @@ def test_a_spawn_inside_a_fragment_sends_its_writes_all_the_way_back():
     prog = SPAWN(SEQ([SPAWN(CALL(os.getpid, store_to=reg("inner"))), CALL(os.getpid, store_to=reg("outer"))]))
     prog.run()
     assert len({reg["inner"], reg["outer"], os.getpid()}) == 3
+    # the worker that ran the outer fragment owns a pool of its own: it must still exit when asked
+    done = threading.Event()
+    threading.Thread(target=lambda: (shutdown_default_executor(), done.set()), daemon=True).start()
+    assert done.wait(30), "shutting the default pool down waited forever on a worker with its own pool"
 
 
 def test_a_task_cancelled_by_its_executor_is_a_spawn_error():
