@@ -24,9 +24,11 @@ Rules, as in FastAPI's dependency injection:
   arguments or sub-dependencies use it (``Depends(fn, use_cache=False)``
   calls it for each use);
 - a driver's ``dependency_overrides`` take precedence over those of the
-  program it runs; both are dicts ``{provider: replacement}`` and are pickled
-  with the driver or the program (so replacements must be picklable, by
-  cloudpickle at least).
+  program it runs; overrides set on a sub-program apply to the CALLs inside
+  it, and where an enclosing program overrides the same provider, the
+  outermost wins (whoever composes has the last word); all are dicts
+  ``{provider: replacement}`` and are pickled with the driver or the program
+  (so replacements must be picklable, by cloudpickle at least).
 
 A CALL with a ``Depends`` anywhere in its arguments (also inside lists, tuples
 and dicts) is built as a ``DependsCALL``, a leaf that resolves them through the
@@ -129,20 +131,25 @@ if not hasattr(Driver, "dependency_overrides"):
         doc="Replacements for Depends providers in this run; they take precedence over the program's.")
 
 
-def provider_for(drv: Driver, dependency: Callable) -> Callable:
-    """The callable that stands for dependency in drv's run: an override, or dependency itself."""
+def provider_for(drv: Driver, dependency: Callable, within: tuple = ()) -> Callable:
+    """The callable that stands for dependency in drv's run: an override, or dependency itself.
+
+    within holds the elements the CALL runs inside, outermost first: the
+    driver's overrides win, then those of the outermost element that has one.
+    """
     table = drv.__dict__.get("dependency_overrides")
     if table:
         try:
             return table[dependency]
         except (KeyError, TypeError):  # an unhashable provider cannot be overridden
             pass
-    table = drv.program.__dict__.get("_overrides")
-    if table:
-        try:
-            return table[dependency]
-        except (KeyError, TypeError):
-            pass
+    for el in within or (drv.program,):
+        table = el.__dict__.get("_overrides")
+        if table:
+            try:
+                return table[dependency]
+            except (KeyError, TypeError):
+                pass
     return dependency
 
 
@@ -167,7 +174,7 @@ def _sub_dependencies(fn: Callable) -> tuple:
     return subs
 
 
-def resolve_dependency(drv: Driver, dep: Depends, cache: dict, chain: tuple = ()) -> Any:
+def resolve_dependency(drv: Driver, dep: Depends, cache: dict, chain: tuple = (), within: tuple = ()) -> Any:
     """The value of dep in drv's run (providers called once per CALL run unless use_cache=False)."""
     key = dep.dependency
     if dep.use_cache:
@@ -182,12 +189,12 @@ def resolve_dependency(drv: Driver, dep: Depends, cache: dict, chain: tuple = ()
 
         names = " -> ".join(fn_name(c) for c in chain + (key,))
         raise FlowError(f"Depends: circular dependency {names}")
-    provider = provider_for(drv, dep.dependency)
+    provider = provider_for(drv, dep.dependency, within)
     subs = _sub_dependencies(provider)
     try:
         if subs:
             inner = chain + (dep.dependency,)
-            value = provider(**{name: resolve_dependency(drv, sub, cache, inner) for name, sub in subs})
+            value = provider(**{name: resolve_dependency(drv, sub, cache, inner, within) for name, sub in subs})
         else:
             value = provider()
     except Exception as err:
@@ -202,18 +209,19 @@ def resolve_dependency(drv: Driver, dep: Depends, cache: dict, chain: tuple = ()
     return value
 
 
-def _resolve_arg(value: Any, drv: Driver, regs: dict, cache: dict) -> Any:
+def _resolve_arg(value: Any, drv: Driver, regs: dict, cache: dict, within: tuple = ()) -> Any:
     if isinstance(value, Depends):
-        return resolve_dependency(drv, value, cache)
+        return resolve_dependency(drv, value, cache, (), within)
     if isinstance(value, Register):
         return regs[value.name]
     if isinstance(value, list):
-        return [_resolve_arg(v, drv, regs, cache) for v in value]
+        return [_resolve_arg(v, drv, regs, cache, within) for v in value]
     if isinstance(value, tuple):
-        items = [_resolve_arg(v, drv, regs, cache) for v in value]
+        items = [_resolve_arg(v, drv, regs, cache, within) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(value, dict) and not isinstance(value, Registers):
-        pairs = {_resolve_arg(k, drv, regs, cache): _resolve_arg(v, drv, regs, cache) for k, v in value.items()}
+        pairs = {_resolve_arg(k, drv, regs, cache, within): _resolve_arg(v, drv, regs, cache, within)
+                 for k, v in value.items()}
         return pairs if type(value) is dict else type(value)(pairs)
     return resolve(value, regs)
 
@@ -263,11 +271,12 @@ class DependsCALL(CALL):
     def bind(self, drv: Driver, frame: list) -> Callable[[], Any]:
         factory = self._cached("depends_leaf", lambda: _factory(self))
         regs = drv.registers
+        within = tuple(f[0] for f in drv._stack)  # the elements this CALL runs inside, for their overrides
 
         def dep(d: Depends, cache: dict) -> Any:
-            return resolve_dependency(drv, d, cache)
+            return resolve_dependency(drv, d, cache, (), within)
 
         def resolve_arg(value: Any, cache: dict) -> Any:
-            return _resolve_arg(value, drv, regs, cache)
+            return _resolve_arg(value, drv, regs, cache, within)
 
         return factory(self.fn, regs, dep, resolve_arg)

@@ -88,6 +88,8 @@ def same_value(p: Any, v: Any) -> bool:
     """Whether pattern value p matches value v (ANY, Registers by name, containers item by item)."""
     if p is ANY or p is v:
         return True
+    if getattr(v, "__func__", None) is p and p is not None:  # Class.method matches obj.method
+        return True
     if isinstance(p, Register):
         return isinstance(v, Register) and p.name == v.name
     if isinstance(p, Element):
@@ -223,6 +225,14 @@ class Matches(Sequence):
         if self._used:
             raise EditError(f"these matches of {self.description} were already used for an edit, which may "
                             "have moved them: call find() or at() again")
+        for m in self._found:
+            try:
+                here = get(self.program, m.path)
+            except LookupError:
+                here = None
+            if here is not m.element:
+                raise EditError(f"the program has changed since these matches of {self.description} were "
+                                "found (another edit moved them): call find() or at() again", m.path_text)
         edited = apply_edits(self.target, self._found, op, new)
         self._used = True
         return become(self.target, edited)
@@ -314,11 +324,11 @@ def _near_misses(program: Element, pattern: Any) -> str:
 
 # ------------------------------------------------------------------- editing
 def rebuild(el: Element, children: Sequence[Element]) -> Element:
-    """el over new children, keeping its namespace mark."""
+    """el over new children, keeping its namespace mark and its dependency_overrides."""
     new = el.with_children(children)
     if el.scope is not None and new.scope is not el.scope:
         new = new.with_scope(el.scope)
-    return new
+    return carry_overrides(el, new)
 
 
 def role(parent: Element | None, index: int) -> str | None:
@@ -489,12 +499,13 @@ def _substitute(el: Element, old: Element, new: Element) -> Element:
     changed = [_substitute(k, old, new) for k in kids]
     if all(a is b for a, b in zip(changed, kids)):
         return el
-    return carry_overrides(el, rebuild(el, changed))
+    return rebuild(el, changed)
 
 
 def carry_overrides(old: Element, new: Element) -> Element:
+    """new, or a copy of it holding old's dependency_overrides when old has some."""
     table = old.__dict__.get("_overrides")
-    if table and new is not old:
+    if table and new is not old and new.__dict__.get("_overrides") != table:
         new = copy.copy(new)
         new.__dict__["_overrides"] = dict(table)
     return new

@@ -46,6 +46,8 @@ shared in the result.
 
 from __future__ import annotations
 
+import copy
+
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -149,6 +151,10 @@ def _rename_element(el: Element, rename: Callable[[Register], Register], rename_
     else:
         raise TypeError(f"isolate: cannot rename the registers of a {el.kind} element; "
                         "give its class a __flowvm_source__() method (see flowvm.source)")
+    table = el.__dict__.get("_overrides")
+    if table and new is not el:  # a sub-program's dependency_overrides stay with it
+        new = copy.copy(new)
+        new.__dict__["_overrides"] = dict(table)
     scope = el.scope
     if scope is not None:
         if rename_name is not None and scope.shared:

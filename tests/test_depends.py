@@ -151,3 +151,37 @@ def test_depends_prints_matches_and_isolates_like_any_argument():
     isolated = prog.isolate("a")
     assert isinstance(isolated, DependsCALL) and str(isolated) == "a.y = describe(a.x, Depends(get_device))"
     assert Depends(cpu) == Depends(cpu) and Depends(cpu) != Depends(cpu, use_cache=False)
+
+
+def test_overrides_of_a_sub_program_apply_inside_it_when_composed_isolated_and_woven():
+    from flowvm import WEAVE
+
+    reg = Registers()
+    stage = SEQ([CALL(describe, Depends(get_device), store_to=reg("dev"))])
+    stage.dependency_overrides[get_device] = cpu
+    other = CALL(describe, Depends(get_device), store_to=reg("other"))
+    prog = SEQ([stage, other])
+    prog.run()
+    assert (reg["dev"], reg["other"]) == ("cpu", "cuda:0")  # the stage's override stays inside the stage
+
+    woven = WEAVE(-1, [stage.isolate("a"), CALL(describe, Depends(get_device), store_to=reg("w"))])
+    drv = pickle.loads(pickle.dumps(woven.start()))
+    drv.run()
+    assert (drv.registers["a.dev"], drv.registers["w"]) == ("cpu", "cuda:0")
+
+    prog.dependency_overrides[get_device] = lambda: "outer"  # whoever composes has the last word
+    prog.run()
+    assert (reg["dev"], reg["other"]) == ("outer", "outer")
+    drv = prog.start()
+    drv.dependency_overrides[get_device] = lambda: "driver"  # and the driver has the very last
+    drv.run()
+    assert (reg["dev"], reg["other"]) == ("driver", "driver")
+
+
+def test_optimizing_keeps_the_overrides_of_sub_programs():
+    reg = Registers()
+    stage = SEQ([CALL(describe, Depends(get_device), store_to=reg("dev"))])
+    stage.dependency_overrides[get_device] = cpu
+    prog = SEQ([SEQ([stage, CALL(describe, Depends(get_device), store_to=reg("other"))])])
+    flowvm.optimize(prog).run()
+    assert (reg["dev"], reg["other"]) == ("cpu", "cuda:0")

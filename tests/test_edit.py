@@ -15,6 +15,9 @@ class Layer:
     def __init__(self, name):
         self.name = name
 
+    def forward(self, v):
+        return v + 1
+
 
 def cd1_update(v, layer, lr=0.1):
     layer.log.append((layer.name, v))
@@ -72,6 +75,32 @@ def test_an_edit_leaves_drivers_started_before_it_and_copies_of_the_program_as_t
         matches = prog.find(debug)
         matches.remove()
         matches.remove()
+
+
+def test_matches_found_before_another_edit_of_the_program_are_refused():
+    reg = Registers(v=0, log=[])
+    prog = build(reg, *layers())
+    updates = prog.find(cd1_update)
+    prog.at("0").insert_before(CALL(debug, reg("log"), reg("v")))  # moves every update one place on
+    before = str(prog)
+    with pytest.raises(EditError, match="changed since these matches") as err:
+        updates.remove()
+    assert err.value.path is not None and str(prog) == before  # nothing half-done
+    prog.find(cd1_update).remove()
+    assert "cd1_update" not in str(prog) and str(prog).count("debug") == 1
+
+
+def test_a_class_function_finds_the_calls_of_its_bound_methods_also_in_a_loaded_run():
+    reg = Registers(v=0, log=[])
+    a, b = layers()
+    prog = SEQ([CALL(a.forward, 1, store_to=reg("v")), CALL(b.forward, reg("v"), store_to=reg("v"))])
+    assert len(prog.find(Layer.forward)) == 2 and len(prog.find(a.forward)) == 1
+    drv = pickle.loads(pickle.dumps(prog.start()))  # methods of copies of the layers
+    reg = drv.registers
+    drv.find(Layer.forward).insert_after(CALL(debug, reg("log"), reg("v")))
+    assert str(drv.program).count("debug") == 2
+    drv.run()
+    assert reg["log"] == [("debug", 2), ("debug", 3)]
 
 
 def test_wrapping_the_root_in_place_keeps_a_tree():

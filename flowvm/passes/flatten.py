@@ -1,5 +1,8 @@
 """The ``flatten`` pass: splice nested SEQs into their parent and unwrap one-child SEQs.
 
+A SEQ that marks an instance (``isolate``) or holds dependency_overrides is
+kept whole, so that what it means survives optimization.
+
 ``SEQ([a, SEQ([b, c]), SEQ([]), d])`` becomes ``SEQ([a, b, c, d])`` and
 ``REPEAT(n, SEQ([f]))`` becomes ``REPEAT(n, f)`` (which lets the driver take
 its fast path for a leaf repeated by a REPEAT).  Moving through containers
@@ -21,7 +24,12 @@ from __future__ import annotations
 
 from ..elements import SEQ, Element
 from . import register_pass
-from .rewrite import rewrite
+from .rewrite import rebuild, rewrite
+
+
+def _plain(el: Element) -> bool:
+    """A SEQ that only groups: no namespace mark, no dependency_overrides of its own."""
+    return type(el) is SEQ and el.scope is None and not el.__dict__.get("_overrides")
 
 
 def _visit(el: Element, path) -> Element:
@@ -31,17 +39,17 @@ def _visit(el: Element, path) -> Element:
     last = len(el.elements) - 1
     changed = False
     for i, child in enumerate(el.elements):
-        if type(child) is SEQ and (child.elements or i < last):
+        if _plain(child) and (child.elements or i < last):
             out.extend(child.elements)  # children of a flattened SEQ are flat already
             changed = True
         else:
             out.append(child)
-    keep = [c for k, c in enumerate(out) if not (type(c) is SEQ and not c.elements and k < len(out) - 1)]
+    keep = [c for k, c in enumerate(out) if not (_plain(c) and not c.elements and k < len(out) - 1)]
     if len(keep) != len(out):
         out, changed = keep, True
-    if len(out) == 1:
+    if len(out) == 1 and _plain(el):
         return out[0]
-    return SEQ(out) if changed else el
+    return rebuild(el, out) if changed else el
 
 
 @register_pass("flatten", default=True)

@@ -3,7 +3,7 @@
 ``rewrite(program, visit)`` rebuilds the program from the leaves up: each
 element's children are rewritten first, the element is rebuilt with
 ``with_children`` only when a child changed (so untouched subtrees stay the
-very same objects), then ``visit(element, path)`` may return a replacement.
+very same objects; namespace marks and dependency_overrides are kept), then ``visit(element, path)`` may return a replacement.
 Paths are those of the input program.
 """
 
@@ -12,6 +12,13 @@ from __future__ import annotations
 from typing import Callable
 
 from ..elements import Element
+
+
+def rebuild(el: Element, children) -> Element:
+    """el over new children, keeping its namespace mark and dependency_overrides (see flowvm.edit)."""
+    from ..edit import rebuild
+
+    return rebuild(el, children)
 
 Visit = Callable[[Element, tuple[int, ...]], Element]
 
@@ -24,7 +31,7 @@ def rewrite(program: Element, visit: Visit) -> Element:
         if children:
             new = [go(c, path + (i,)) for i, c in enumerate(children)]
             if any(a is not b for a, b in zip(new, children)):
-                el = el.with_children(new)
+                el = rebuild(el, new)
         out = visit(el, path)
         if not isinstance(out, Element):
             raise TypeError(f"rewrite: visit returned {type(out).__name__} for the {el.kind} at path "
