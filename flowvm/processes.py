@@ -202,8 +202,37 @@ class POPEN(Element):
             proc.kill()
 
 
-def _argv(values) -> list:
-    return [a if isinstance(a, (str, bytes, os.PathLike)) else str(a) for a in values]
+_TEXT = (str, bytes, os.PathLike)
+
+
+def _source(value: Any, what: str) -> str:
+    return f"{what} (register {value.name!r})" if isinstance(value, Register) else what
+
+
+def _as_arg(value: Any, raw: Any, what: str) -> Any:
+    """A command-line item: text and paths as they are, numbers as text; anything else is an error."""
+    if isinstance(value, _TEXT):
+        return value
+    if isinstance(value, numbers.Number) and not isinstance(value, bool):
+        return str(value)
+    raise TypeError(f"POPEN: {_source(raw, what)} is {type(value).__name__} {value!r:.60}; it must be "
+                    "a str, bytes, path or number")
+
+
+def launch_args(el: "POPEN", registers) -> tuple[list, Any, Any]:
+    """argv, cwd and env of el with its Registers read, checked so that an error names the item at fault."""
+    argv = [_as_arg(resolve(a, registers), a, f"argument {i}") for i, a in enumerate(el.args)]
+    cwd = resolve(el.cwd, registers)
+    if cwd is not None and not isinstance(cwd, _TEXT):
+        raise TypeError(f"POPEN: {_source(el.cwd, 'cwd')} is {type(cwd).__name__} {cwd!r:.60}; it must be a path")
+    env = resolve(el.env, registers)
+    if env is not None:
+        if not isinstance(env, dict):
+            raise TypeError(f"POPEN: {_source(el.env, 'env')} is {type(env).__name__} {env!r:.60}; it must be "
+                            "a dict of variable names to values")
+        env = {(k if isinstance(k, str) else _as_arg(k, el.env, f"env name {k!r}")):
+               _as_arg(v, el.env, f"env[{k!r}]") for k, v in env.items()}
+    return argv, cwd, env
 
 
 def _terminate(popen: subprocess.Popen, files) -> None:
@@ -295,11 +324,7 @@ class _Process:
 
     @classmethod
     def launch(cls, el: POPEN, registers) -> "_Process":
-        argv = _argv(resolve(list(el.args), registers))
-        cwd = resolve(el.cwd, registers)
-        env = resolve(el.env, registers)
-        if env is not None:
-            env = {str(k): v if isinstance(v, (str, bytes)) else str(v) for k, v in env.items()}
+        argv, cwd, env = launch_args(el, registers)
         out = tempfile.TemporaryFile() if el.capture else None
         err = tempfile.TemporaryFile() if el.capture else None
         try:

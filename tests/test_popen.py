@@ -164,6 +164,25 @@ def test_bad_arguments_are_rejected_when_built(args, error):
         POPEN(args)
 
 
+@pytest.mark.parametrize("value, where, message", [
+    (None, "args", r"argument 2 \(register 'v'\) is NoneType None"),
+    (["a", "b"], "args", r"argument 2 \(register 'v'\) is list"),
+    (True, "args", r"argument 2 \(register 'v'\) is bool"),
+    (3, "cwd", r"cwd \(register 'v'\) is int 3; it must be a path"),
+    (["A=1"], "env", r"env \(register 'v'\) is list .*must be a dict"),
+    ({"A": None}, "env", r"env\['A'\] \(register 'v'\) is NoneType"),
+])
+def test_register_values_that_cannot_be_command_items_are_clear_errors_at_launch(value, where, message):
+    reg = Registers(v=value)
+    args = [PY, "-c", reg("v")] if where == "args" else [PY, "-c", "pass"]
+    el = POPEN(args, **({where: reg("v")} if where != "args" else {}))
+    drv = el.start()
+    with pytest.raises(TypeError, match=message):
+        drv.step()
+    reg["v"] = {"args": "pass", "cwd": ".", "env": {"A": "1"}}[where]
+    assert drv.run(timeout=30) == 0  # the failed step left the driver ready to launch again
+
+
 def test_bad_options_are_rejected_when_built():
     with pytest.raises(ValueError, match="timeout"):
         POPEN(["true"], timeout=0)
