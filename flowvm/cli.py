@@ -37,6 +37,7 @@ from typing import Any
 
 from . import checkpoint
 from .driver import Driver
+from .elements import Element
 from .errors import CheckpointError, FlowError
 from .runner import DEFAULT_EVERY_SECONDS, Runner, static_steps
 
@@ -48,6 +49,8 @@ def load_module(target: str) -> ModuleType:
     """Import a program module from a bundled name, a module name or a .py path."""
     if target.endswith(".py") or os.sep in target or "/" in target:
         return _load_file(Path(target))
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # a module in the current directory, as `python -m` would find it
     for name in (f"flowvm.programs.{target}", target):
         try:
             return importlib.import_module(name)
@@ -141,7 +144,12 @@ def build_program(target: str, sets: list[str]):
     module = load_module(target)
     if not callable(getattr(module, "build", None)):
         raise SystemExit(f"flowvm: {module.__name__} has no build() function")
-    return module, module.build(**parse_sets(sets, module.build))
+    program = module.build(**parse_sets(sets, module.build))
+    if not isinstance(program, Element):
+        where = getattr(module, "__file__", None) or module.__name__
+        raise SystemExit(f"flowvm: build() in {where} returned {type(program).__name__} {program!r:.60}, "
+                         "not a flowvm program (an element such as SEQ([...]))")
+    return module, program
 
 
 def _finish(drv: Driver, module: ModuleType | None, ckpt: Path | None) -> None:

@@ -65,6 +65,26 @@ class SpawnTimeout(SpawnError, TimeoutError):
     """A SPAWN's fragment ran longer than the SPAWN's timeout."""
 
 
+def main_guard_hint() -> str:
+    """A hint when the main script lacks ``if __name__ == '__main__':`` (workers re-run an unguarded script)."""
+    import ast
+    import sys
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not str(path).endswith(".py"):
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return ""
+    return (f" Note: {path} has no `if __name__ == '__main__':` guard; each new worker process imports the main "
+            "script, so it runs the script's work again and fails: put that work under the guard.")
+
+
 # ----------------------------------------------------------------- executors
 def default_workers() -> int:
     """Worker processes of the default pool: the cores this process may run on."""
@@ -446,7 +466,7 @@ class Job:
                 raise SpawnError(f"the worker process running the fragment died ({name}: {err}); killed by a "
                                  f"signal or out of memory? The {where} "
                                  + ("is replaced by a new one on the next SPAWN" if spec is None
-                                    else "may need replacing") + ".") from err
+                                    else "may need replacing") + "." + main_guard_hint()) from err
             raise SpawnError(f"the {where} failed to run the fragment: {name}: {err}") from err
         try:
             outcome = decode_outcome(data)

@@ -331,3 +331,19 @@ def test_saving_after_every_step_for_thousands_of_steps(tmp_path):
     drv = REPEAT(1100, CALL(abs, -1)).start()
     assert Runner(drv, [], tmp_path / "r.ckpt", every=1, progress="none").run() == 0
     assert drv.done and flowvm.checkpoint.read_header(tmp_path / "r.ckpt")["steps"] == 1100
+
+
+def test_a_module_in_the_current_directory_and_a_build_that_returns_no_program(tmp_path):
+    (tmp_path / "mytrain.py").write_text(textwrap.dedent("""
+        from flowvm import CALL, Registers
+        def build(n: int = 3):
+            reg = Registers()
+            return CALL(sum, list(range(n)), store_to=reg("total"))
+    """))
+    (tmp_path / "broken.py").write_text("def build():\n    return [1, 2]\n")
+    out = flowvm_cmd("run", "mytrain", "--set", "n=5", "--progress", "none", cwd=tmp_path)
+    assert "total" in out.stdout and "10" in out.stdout
+    assert "verified" in flowvm_cmd("verify", "mytrain", cwd=tmp_path).stdout
+    out = flowvm_cmd("run", "broken.py", "--progress", "none", cwd=tmp_path, check=False)
+    assert out.returncode != 0 and f"build() in {tmp_path / 'broken.py'} returned list [1, 2], not a flowvm " \
+                                   "program" in out.stderr, out.stderr

@@ -55,6 +55,20 @@ def test_unknown_pass_names_and_stray_options_are_errors_that_list_what_exists()
         optimize(prog, passes=[42])
     with pytest.raises(TypeError, match="expects a flowvm program"):
         optimize("not a program")
+    with pytest.raises(TypeError, match="options must map a pass name to its options"):
+        optimize(prog, options=["flatten"])
+    with pytest.raises(TypeError, match="pass 'fuse-torch' has no option 'compil_after'.*did you mean "
+                                        "'compile_after'"):
+        optimize(prog, options={"fuse-torch": {"compil_after": 5}})
+    with pytest.raises(TypeError, match="pass 'batch-buffers' has no option 'x' \\(it takes: none\\)"):
+        optimize(prog, passes=[("batch-buffers", {"x": 1})])
+
+
+def test_set_form_on_a_program_without_fused_steps_says_so():
+    from flowvm.passes.fuse_torch import set_form
+
+    with pytest.raises(LookupError, match="no FUSED element"):
+        set_form(SEQ([CALL(inc, 1)]), "eager")
 
 
 def test_a_single_name_a_function_and_a_pair_with_options_are_all_passes():

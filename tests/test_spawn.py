@@ -418,3 +418,18 @@ def test_a_task_cancelled_by_its_executor_is_a_spawn_error():
         drv.run()
     with pytest.raises(SpawnError, match="refused the fragment"):  # a shut-down executor takes no more work
         drv.run()
+
+
+def test_a_script_without_a_main_guard_gets_a_hint_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "noguard.py"
+    script.write_text("import os\nfrom flowvm import CALL, SPAWN\nprint(SPAWN(CALL(os.getpid)).run())\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"{script} has no `if __name__ == '__main__':` guard" in done.stderr, done.stderr[-2000:]
+    script.write_text("import os\nfrom flowvm import CALL, SPAWN\nif __name__ == '__main__':\n"
+                      "    print(SPAWN(CALL(os.getpid)).run())\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and int(done.stdout) > 0, done.stderr[-2000:]

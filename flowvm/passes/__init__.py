@@ -30,6 +30,7 @@ SEQ:
 from __future__ import annotations
 
 import contextvars
+import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -198,6 +199,10 @@ def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool 
     specs = list(DEFAULT_PIPELINE if passes is None else passes)
     resolved = [_resolve(s) for s in specs]
     known = {p.name for p, _ in resolved}
+    if options is not None and not (isinstance(options, Mapping)
+                                    and all(isinstance(v, Mapping) for v in options.values())):
+        raise TypeError("optimize: options must map a pass name to its options, like "
+                        f"{{'fuse-torch': {{'compile_after': 5}}}}; got {options!r:.80}")
     for name in options or {}:
         if name not in known:
             raise KeyError(f"optimize: options given for pass {name!r}, which is not in the pipeline "
@@ -211,6 +216,7 @@ def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool 
         for p, opts in resolved:
             merged = {**dict((options or {}).get(p.name, {})), **opts}
             ctx.pass_name = p.name
+            _check_options(p, merged)
             try:
                 new = p.run(current, **merged)
             except Exception as err:
@@ -224,6 +230,25 @@ def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool 
         return current
     finally:
         _CONTEXT.reset(token)
+
+
+def _check_options(p: Pass, options: Mapping[str, Any]) -> None:
+    """Reject an option the pass does not take, naming the pass and what it does take."""
+    if not options:
+        return
+    try:
+        params = inspect.signature(p.run).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a callable without a signature
+        return
+    if any(q.kind is q.VAR_KEYWORD for q in params.values()):
+        return
+    takes = [n for n, q in list(params.items())[1:] if q.kind in (q.KEYWORD_ONLY, q.POSITIONAL_OR_KEYWORD)]
+    for name in options:
+        if name not in takes:
+            close = difflib.get_close_matches(name, takes, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"optimize: pass {p.name!r} has no option {name!r} (it takes: "
+                            f"{', '.join(takes) or 'none'}){hint}")
 
 
 def _verify(program: Element, name: str, what: str) -> None:

@@ -301,6 +301,9 @@ def set_form(program: Element, form: str, paths: Iterable[str] | None = None) ->
         return el
 
     out = rewrite(program, visit)
+    if wanted is None and not found:
+        raise LookupError("set_form: the program has no FUSED element (optimize it first: "
+                          "flowvm.optimize(program) fuses runs of torch calls)")
     if wanted is not None and wanted - found:
         raise LookupError(f"set_form: no FUSED element at path(s) {', '.join(sorted(wanted - found))}")
     return out

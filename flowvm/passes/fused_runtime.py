@@ -532,7 +532,11 @@ class Runtime:
             return "compiling in the background, eager meanwhile"
         if self.state == "trial":
             n = min(len(self.periods["eager"]), len(self.periods["compiled"]))
-            return f"measuring compiled against eager ({max(n - 1, 0)} of {s.trials})"
+            done = max(n - 1, 0)
+            if done < s.trials:
+                return f"measuring compiled against eager ({done} of {s.trials} runs each)"
+            return f"measuring compiled against eager ({done} runs each, until each form has run " \
+                   f"{MIN_TRIAL_SECONDS:g} s)"
         if self.state == "compiled" and self.decision == "forced":
             return "compiled (forced)"
         return self.decision
