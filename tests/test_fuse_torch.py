@@ -197,8 +197,45 @@ def test_an_inductor_compiled_chain_of_ten_ops_agrees_with_the_interpreted_progr
     fast = fuse_torch(fast, form="compiled", **SYNC)
     drv = fast.start()
     drv.run()
-    assert drv.steps == 3 and fast.body.runtime().hits == 3
+    rt = fast.body.runtime()
+    assert drv.steps == 3 and rt.hits == 3
     assert torch.allclose(got["h"], reg["h"], rtol=1e-5, atol=1e-6)
+    # plain tensors in, no autograd: inductor's graph is called directly, behind flowvm's own guard
+    assert rt._direct is not None
+    rt._runonly = None  # the dynamo path would fail now: only the direct form can run
+    again = fast.start()
+    again.run()
+    assert rt.hits == 6 and torch.allclose(got["h"], reg["h"], rtol=1e-5, atol=1e-6)
+
+
+def test_the_direct_compiled_form_is_only_for_plain_tensors_with_its_layouts():
+    from flowvm.passes.fused_runtime import Runtime, _direct_compile, _same_layouts
+
+    x = torch.zeros(4, 3)
+    layouts = ((torch.Tensor, x.dtype, x.device, x.shape, x.stride()),)
+    assert _same_layouts(layouts, [torch.ones(4, 3)])
+    for other in (torch.ones(3, 4), torch.ones(4, 3, dtype=torch.float64), torch.ones(4, 3).t().contiguous().t(),
+                  torch.ones(4, 3, requires_grad=True), torch.nn.Parameter(torch.ones(4, 3)), x.numpy()):
+        assert not _same_layouts(layouts, [other]), other
+    assert not _same_layouts(layouts, [x, x])
+
+    def runtime_of(calls, reg):
+        fused = fuse_torch(SEQ(calls), form="compiled", **SYNC)
+        return Runtime(fused)
+
+    reg = Registers(x=torch.ones(3), w=torch.ones(3, requires_grad=True))
+    model = torch.nn.Linear(3, 3)
+    cases = {
+        "in place": [CALL(torch.Tensor.add_, reg("x"), 1, store_to=reg("y")), CALL(torch.relu, reg("y"), store_to=reg("z"))],
+        "a module": [CALL(model, reg("x"), store_to=reg("y")), CALL(torch.relu, reg("y"), store_to=reg("z"))],
+        "random": [CALL(torch.rand_like, reg("x"), store_to=reg("y")), CALL(torch.relu, reg("y"), store_to=reg("z"))],
+        "a view": [CALL(torch.sin, reg("x"), store_to=reg("y")), CALL(torch.Tensor.view, reg("y"), 3, 1, store_to=reg("z"))],
+    }
+    for what, calls in cases.items():
+        rt = runtime_of(calls, reg)
+        assert _direct_compile(rt, (reg["x"],), False) is None, what
+    rt = runtime_of([CALL(torch.sin, reg("w"), store_to=reg("y")), CALL(torch.relu, reg("y"), store_to=reg("z"))], reg)
+    assert _direct_compile(rt, (reg["w"],), False) is None  # needs a gradient
 
 
 def test_fused_steps_inside_while_and_switch_run_like_the_original_and_resume_exactly():

@@ -19,7 +19,10 @@ random number drawn.  The real calls then go through ``torch._dynamo.run``,
 which uses the compiled code whose guards pass and otherwise runs the
 function eagerly without compiling (a guard miss: new shapes, say).  A miss
 is noticed (the graph was not entered) and starts another background
-compile, up to ``max_compiles``.
+compile, up to ``max_compiles``.  A head over plain tensors with no autograd
+also gets a *direct* form (``_direct_compile``): inductor's graph called
+without dynamo, behind flowvm's own layout check, since for a small step
+dynamo's per-call guards cost more than the kernel.
 
 Choosing (form "auto"): once compiled code exists, the executions alternate
 between the two forms and time the *period* from one execution of the
@@ -252,6 +255,7 @@ class Runtime:
         self._chosen: Callable = self.eager
         self._compiled: Callable | None = None
         self._runonly: Callable | None = None
+        self._direct: tuple | None = None  # (input layouts, inductor's compiled graph), see _direct_compile
         self.current: Callable = self.eager if self.state == "eager" else self._first
 
     # -- the leaf the driver calls
@@ -353,6 +357,18 @@ class Runtime:
         hits = self.hits
         gen = self.generated
         pos = gen.head_positions
+        direct = self._direct
+        if direct is not None:
+            head_args = args if pos is None else [args[k] for k in pos]
+            if _same_layouts(direct[0], head_args):
+                self.hits += 1
+                try:
+                    out = tuple(direct[1](list(head_args)))
+                except Exception as err:
+                    out = self.eager(*args)  # the compiled code failed; an eager error is the user's
+                    self._give_up(err)
+                    return out
+                return out if gen.tail is None else gen.tail(out, *args)
         try:
             out = self._runonly(*args) if pos is None else self._runonly(*[args[k] for k in pos])
         except Exception as err:
@@ -470,7 +486,8 @@ class Runtime:
                 with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                     self._compiled(*args)
             except _WarmedUp:
-                pass
+                if self._direct is None:
+                    self._direct = _direct_compile(self, args, inference)
             except Exception as err:  # a graph break, an unknown backend, a compiler error
                 self.error = err
             else:  # no graph to stop at: nothing was compiled (the function ran, with nothing to fuse)
@@ -540,6 +557,75 @@ class Runtime:
         if self.state == "compiled" and self.decision == "forced":
             return "compiled (forced)"
         return self.decision
+
+
+def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
+    """For a head that only computes on plain tensors (no autograd, no modules, nothing mutated or
+    aliased), inductor's compiled graph called directly, with no dynamo guards: (layouts, fn).
+
+    The guard is flowvm's own: every input has the layout (type, dtype, device, shape, strides) it
+    was compiled for and needs no gradient; anything else takes the dynamo path.  A small fused
+    step spends more time in dynamo's guards and frame handling than in its kernel, so this is
+    where compiling pays off for it.  None when the head does not qualify (or anything fails).
+    """
+    import torch
+
+    s = rt.settings
+    if s.backend != "inductor" or s.mode not in (None, "default") or s.dynamic or inference:
+        return None
+    if not args or not all(type(a) is torch.Tensor and not a.requires_grad for a in args):
+        return None
+    gen = rt.generated
+    calls = rt.el.calls if gen.tail is None else rt.el.calls[:_barrier_index(rt.el.calls)]
+    for call in calls:
+        if isinstance(call.fn, torch.nn.Module) or getattr(call.fn, "__self__", None) is not None \
+                and isinstance(call.fn.__self__, torch.nn.Module):
+            return None
+        for value in list(call.args) + list(call.kwargs.values()):
+            if isinstance(value, torch.nn.Module) or (isinstance(value, torch.Tensor) and value.requires_grad):
+                return None
+    try:
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        head = gen.head
+        with torch.no_grad():
+            gm = make_fx(head, tracing_mode="fake")(*args)
+        out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        results = out_node.args[0]
+        if not isinstance(results, (tuple, list)) or not all(
+                isinstance(r, torch.fx.Node) and isinstance(r.meta.get("val"), torch.Tensor) for r in results):
+            return None  # a value that is not a tensor
+        if any(r.op == "placeholder" for r in results):
+            return None  # an input handed back as it is (aliased)
+        for node in gm.graph.nodes:
+            schema = getattr(node.target, "_schema", None)
+            if node.op == "call_function" and (schema is None or schema.is_mutable
+                                               or any(r.alias_info is not None for r in schema.returns)):
+                return None  # in-place, random or view ops: left to dynamo, which handles them
+            if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+                return None  # random numbers: inductor draws them differently from eager
+        with torch._inductor.config.patch(dict(s.options)):
+            fn = compile_fx_inner(gm, list(args))
+    except Exception:
+        return None
+    layouts = tuple((type(a), a.dtype, a.device, a.shape, a.stride()) for a in args)
+    return layouts, fn
+
+
+def _barrier_index(calls) -> int:
+    return next((i for i, c in enumerate(calls) if is_barrier(c.fn)), len(calls))
+
+
+def _same_layouts(layouts: tuple, args) -> bool:
+    """Whether args are plain tensors with these layouts, needing no gradient (the direct form's guard)."""
+    if len(args) != len(layouts):
+        return False
+    for a, (cls, dtype, device, shape, stride) in zip(args, layouts):
+        if (type(a) is not cls or a.requires_grad or a.dtype != dtype or a.shape != shape
+                or a.stride() != stride or a.device != device):
+            return False
+    return True
 
 
 def _run_only(fn: Callable) -> Callable:
