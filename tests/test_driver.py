@@ -8,7 +8,6 @@ import pickle
 import cloudpickle
 import pytest
 
-import flowvm
 from flowvm import CALL, INCOMPLETE, REPEAT, SEQ, SWITCH, WEAVE, Registers
 
 import toy

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flowvm
-from flowvm import (BUFFER, CALL, INCOMPLETE, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Registers,
+from flowvm import (BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Registers,
                     SwitchError)
 
 
