@@ -104,10 +104,20 @@ def case_step(n):
     return perf_counter() - t0, drv.steps
 
 
-def case_general(n):
-    """REPEAT of a SEQ of two CALLs through run(): every step pops, settles and pushes frames."""
+def case_seq(n):
+    """REPEAT of a SEQ of two CALLs through run(): the driver's loop over a SEQ of plain leaves."""
     reg = Registers(x=0)
     body = SEQ([CALL(f, reg("x"), store_to=reg("y")), CALL(f, reg("y"), store_to=reg("x"))])
+    drv = REPEAT(n // 2, body).start()
+    t0 = perf_counter()
+    drv.run()
+    return perf_counter() - t0, drv.steps
+
+
+def case_general(n):
+    """REPEAT of a SEQ holding a SEQ and a CALL: no fast path, every step pops, settles and pushes frames."""
+    reg = Registers(x=0)
+    body = SEQ([SEQ([CALL(f, reg("x"), store_to=reg("y"))]), CALL(f, reg("y"), store_to=reg("x"))])
     drv = REPEAT(n // 2, body).start()
     t0 = perf_counter()
     drv.run()
@@ -133,7 +143,8 @@ STEP_CASES = [
     ("plain", "plain Python loop", case_plain, "steps", None),
     ("run", "flowvm run()", case_run, "steps", "run"),
     ("step", "flowvm step() loop", case_step, "steps", "step"),
-    ("general_run", "flowvm run(), general path (REPEAT of SEQ)", case_general, "steps", None),
+    ("seq_run", "flowvm run(), REPEAT of a SEQ of 2 CALLs", case_seq, "steps", None),
+    ("general_run", "flowvm run(), general path (nested SEQs)", case_general, "steps", None),
     ("ignite", "ignite Engine, per iteration", case_ignite, "ignite_steps", None),
 ]
 

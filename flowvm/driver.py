@@ -35,6 +35,12 @@ fails right after a successful leaf is retried (and raises) at the start of
 the next step, so that a step either runs one leaf or raises without running
 one.
 
+Fast paths (outside WEAVEs, for plain CALL and PRINT leaves) skip settling
+but leave exactly the frames settling would: a leaf repeated by its REPEAT
+(``_repeat_leaf``), a SEQ of plain leaves repeated by a REPEAT
+(``_repeat_seq``, run() only), and a leaf followed by a plain sibling in its
+SEQ (``_after_leaf``).
+
 Frame layouts (index 0 is always the element):
     SEQ     [el, pos]
     REPEAT  [el, i, n, last]
@@ -130,9 +136,10 @@ class Driver:
         return live
 
     # Caches, never pickled: the compiled function of the leaf the next step
-    # runs, and the REPEAT frame directly around it (for the fast path).
+    # runs, and the frames around it that the fast paths use.
     _leaf = None
     _fast = None
+    _fastseq = None  # (REPEAT frame, SEQ frame) when the leaf is in a SEQ of plain leaves that a REPEAT repeats
 
     # ------------------------------------------------------------------ public
     def step(self) -> Any:
@@ -234,12 +241,32 @@ class Driver:
                     chunk = min(chunk * 2, 1 << 20) if took < 0.0005 else max(chunk // 2, 1) if took > 0.002 \
                         else chunk
                     continue
+                if fast is None and self._fastseq is not None:
+                    t0 = monotonic()
+                    try:
+                        ran = self._repeat_seq(self._fastseq, min(limit, self.steps + chunk))
+                    except Exception as err:
+                        self._annotate(err, "running")
+                        raise
+                    if ran:
+                        took = monotonic() - t0
+                        chunk = min(chunk * 2, 1 << 20) if took < 0.0005 else max(chunk // 2, 1) \
+                            if took > 0.002 else chunk
+                        continue
             else:
                 fast = self._fast
                 if fast is not None:
                     try:
                         self._repeat_leaf(fast, limit)
                     except Exception as err:  # annotated once the state is written back
+                        self._annotate(err, "running")
+                        raise
+                    if self.steps >= limit:
+                        return INCOMPLETE
+                elif self._fastseq is not None:
+                    try:
+                        self._repeat_seq(self._fastseq, limit)
+                    except Exception as err:
                         self._annotate(err, "running")
                         raise
                     if self.steps >= limit:
@@ -293,6 +320,7 @@ class Driver:
         state = dict(self.__dict__)
         state.pop("_leaf", None)
         state.pop("_fast", None)
+        state.pop("_fastseq", None)
         state.pop("_live", None)
         return state
 
@@ -319,8 +347,14 @@ class Driver:
         el = stack[-1][0]
         if type(el) is CALL or type(el) is PRINT:
             self._leaf = leaf_function(el, self.registers)
-            if not self._weave and len(stack) > 1 and type(stack[-2][0]) is REPEAT:
-                self._fast = stack[-2]
+            if not self._weave and len(stack) > 1:
+                parent = stack[-2]
+                kind = type(parent[0])
+                if kind is REPEAT:
+                    self._fast = parent
+                elif kind is SEQ and len(stack) > 2 and type(stack[-3][0]) is REPEAT \
+                        and all(type(c) is CALL or type(c) is PRINT for c in parent[0].elements):
+                    self._fastseq = (stack[-3], parent)
         else:
             self._leaf = el.bind(self, stack[-1])
         return True
@@ -353,12 +387,65 @@ class Driver:
             parent[3] = value
             self.steps += i - start
 
+    def _repeat_seq(self, fs: tuple, limit) -> int:
+        """Run a SEQ of plain leaves repeated by a REPEAT in a tight loop, up to (not including) the last
+        leaf of the last iteration; return the steps taken.  The frames are written back as the general
+        path would leave them, also when a leaf raises (the next step retries it)."""
+        rep, seq = fs
+        children = seq[0].elements
+        regs = self.registers
+        leaves = [leaf_function(c, regs) for c in children]
+        last = len(leaves) - 1
+        i, n, pos, value = rep[1], rep[2], seq[1], rep[3]
+        counter = rep[0].counter
+        name = counter.name if counter is not None else None
+        budget = limit - self.steps
+        ran = 0
+        try:
+            while ran < budget and (pos != last or i != n - 1):
+                v = leaves[pos]()
+                ran += 1
+                if pos == last:  # the SEQ finished: its value is the iteration's
+                    i += 1
+                    value = v
+                    if name is not None:
+                        regs[name] = i
+                    pos = 0
+                else:
+                    pos += 1
+        finally:
+            rep[1], rep[3], seq[1] = i, value, pos
+            self.steps += ran
+            if ran:
+                self._stack[-1] = [children[pos]]
+                self._leaf = leaves[pos]
+        return ran
+
     def _after_leaf(self, value: Any) -> None:
+        stack = self._stack
+        if not self._weave and len(stack) > 1:
+            fr = stack[-2]
+            if type(fr[0]) is SEQ:  # the next sibling is a plain leaf: move to it directly
+                elements = fr[0].elements
+                pos = fr[1] + 1
+                if pos < len(elements):
+                    nxt = elements[pos]
+                    if type(nxt) is CALL or type(nxt) is PRINT:
+                        # what settling would do: the SEQ moves on (its children's values are dropped)
+                        self.steps += 1
+                        fr[1] = pos
+                        stack[-1] = [nxt]
+                        self._leaf = self._fast = self._fastseq = None
+                        try:
+                            self._leaf = leaf_function(nxt, self.registers)
+                        except Exception:  # retried, and raised, by the next step's _prepare
+                            pass
+                        return
         self.steps += 1
         self._stack.pop()
         self._carry = value
         self._ready = False
-        self._leaf = self._fast = None
+        self._leaf = self._fast = self._fastseq = None
         if self._weave:
             self._credit_weaves()
         try:
@@ -374,7 +461,7 @@ class Driver:
             self._credit_weaves()
             if self._rotate:
                 self._ready = False
-                self._leaf = self._fast = None
+                self._leaf = self._fast = self._fastseq = None
                 try:
                     self._prepare()
                 except Exception:

@@ -248,7 +248,7 @@ def patch_driver(drv: Driver, found: list[Match], op: str, new: Any) -> Driver:
     drv.program = program
     drv._weave = _has_weave(program)
     drv._leaf = None
-    drv._fast = None
+    drv._fast = drv._fastseq = None
     if not drv.done and drv._ready and drv._stack and not drv._stack[-1][0].is_leaf:
         drv._ready = False
     if not drv.done:

@@ -69,14 +69,14 @@ def set_later(event, seconds):
 
 # ----------------------------------------------------------------- run(timeout=...)
 def test_run_with_a_timeout_returns_in_time_and_the_run_resumes_exactly():
-    straight = counting_program().start()
+    straight = counting_program(40000).start()
     straight.run()
     reg = Registers(n=0)
     endless = LOOP(CALL(lambda n: n + 1, reg("n"), store_to=reg("n"))).start()
     t0 = time.monotonic()
     assert endless.run(timeout=0.2) is INCOMPLETE
     assert 0.2 <= time.monotonic() - t0 < 0.5 and reg["n"] == endless.steps > 100
-    drv = counting_program().start()
+    drv = counting_program(40000).start()
     pieces = 0
     while drv.run(timeout=0.0005) is INCOMPLETE:
         pieces += 1

@@ -70,6 +70,52 @@ def test_call_error_keeps_type_adds_note_and_retries(via):
     assert drv.run() == 2 and drv.steps == 4 and flaky.calls == 4
 
 
+@pytest.mark.parametrize("via", ["step", "run", "run-timeout", "run-max-steps"])
+def test_a_repeated_seq_of_calls_fails_retries_and_pauses_like_the_general_path(via):
+    """run() takes a REPEAT of a SEQ of plain CALLs in a tight loop: errors, pauses and the
+    frames it leaves must be those of stepping one leaf at a time."""
+    flaky = Flaky(fail_on=[2, 3, 6])  # iteration 1 fails twice, iteration 3 once
+
+    def build():
+        reg = Registers(x=0)
+        return reg, SEQ([REPEAT(4, SEQ([CALL(toy.inc, reg("x"), store_to=reg("x")),
+                                        CALL(flaky, reg("x"), store_to=reg("y")),
+                                        CALL(toy.inc, reg("y"), store_to=reg("x"))]), counter=reg("i")),
+                         CALL(toy.const, "end")])
+
+    reg, prog = build()
+    drv = prog.start()
+    seen: list = []
+    while True:
+        try:
+            if via == "step":
+                value = drv.step()
+            elif via == "run":
+                value = drv.run()
+            elif via == "run-timeout":
+                value = drv.run(timeout=5)
+            else:
+                value = drv.run(max_steps=2)
+        except ValueError as err:
+            seen.append((drv.steps, drv.position, reg["i"], reg["x"], str(err), err.__notes__[-1]))
+            drv = pickle.loads(pickle.dumps(drv))  # and the failed state copies
+            reg = drv.registers
+            continue
+        if value is not INCOMPLETE:
+            break
+        if via == "run-max-steps":
+            seen.append((drv.steps, drv.position, reg["i"], dict(reg)))
+    assert value == "end" and drv.steps == 13 and (reg["i"], reg["x"], reg["y"]) == (4, 8, 7)
+    errors = [s for s in seen if len(s) == 6]
+    assert [s[:4] for s in errors] == [(4, "0.0.1", 1, 3), (4, "0.0.1", 1, 3), (10, "0.0.1", 3, 7)]
+    assert all("path '0.0.1'" in s[5] for s in errors)
+    if via == "run-max-steps":
+        pauses = [s for s in seen if len(s) == 4]
+        assert [p[:2] for p in pauses] == [(2, "0.0.2"), (4, "0.0.1"), (6, "0.0.0"), (8, "0.0.2"),
+                                           (10, "0.0.1"), (12, "1")]
+        assert [p[2] for p in pauses] == [0, 1, 2, 2, 3, 4]  # the counter after each finished iteration
+
+
 def test_error_inside_weave_does_not_move_the_turn():
     reg = Registers(log=[])
     flaky = Flaky(fail_on=[2])
