@@ -22,6 +22,13 @@ reports the compile time, the wall time until the decision, the decision, and bo
 
 Per-iteration times are the best of ``5 x --repeats`` samples of ``iterations / 5`` iterations each;
 the samples interleave the variants so that machine load hits them alike.  Figures are reported, never asserted.  Results: bench/results/fuse.json.
+
+About target (a), optimized >= 2x faster than interpreted eager: the driver runs a REPEAT of a SEQ of
+plain CALLs in a tight loop, so the interpreted chain costs only about 10% more than the hand-written
+eager function.  Reaching 2x would take compiled code about twice as fast as eager kernels; on this
+CPU hand-written ``torch.compile`` is slower than eager for this chain (dynamo's guards), and the
+optimized step, which calls inductor's graph without them, is about 1.3x faster than hand eager.
+
 """
 
 from __future__ import annotations
@@ -231,7 +238,9 @@ def targets(row: dict) -> str:
     opt, interp, hc = t["optimized"], t["interpreted eager"], t["hand compiled"]
     if row["case"].startswith("a"):
         ok = opt * 2 <= interp and opt <= 1.2 * hc
-        return f"{'ok' if ok else 'MISSED'} (>=2x vs interp: {interp / opt:.2f}x; vs hand compiled: {opt / hc:.2f}x)"
+        he = t["hand eager"]
+        return (f"{'ok' if ok else 'MISSED'} (>=2x vs interp: {interp / opt:.2f}x; vs hand compiled: {opt / hc:.2f}x; "
+                f"interpreted at {interp / he:.2f}x and hand compiled at {hc / he:.2f}x the hand eager time)")
     ok = opt <= 1.05 * interp
     return f"{'ok' if ok else 'MISSED'} (optimized/interpreted {opt / interp:.3f}, target <= 1.05)"
 

@@ -255,7 +255,7 @@ class Runtime:
         self._chosen: Callable = self.eager
         self._compiled: Callable | None = None
         self._runonly: Callable | None = None
-        self._direct: tuple | None = None  # (input layouts, inductor's compiled graph), see _direct_compile
+        self._direct: tuple | None = None  # (input layouts, compiled graph, its bare callable): _direct_compile
         self.current: Callable = self.eager if self.state == "eager" else self._first
 
     # -- the leaf the driver calls
@@ -364,6 +364,8 @@ class Runtime:
                 self.hits += 1
                 try:
                     out = tuple(direct[1](list(head_args)))
+                    if direct[2] is not None:
+                        self._direct = (direct[0], direct[2], None)
                 except Exception as err:
                     out = self.eager(*args)  # the compiled code failed; an eager error is the user's
                     self._give_up(err)
@@ -561,7 +563,8 @@ class Runtime:
 
 def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
     """For a head that only computes on plain tensors (no autograd, no modules, nothing mutated or
-    aliased), inductor's compiled graph called directly, with no dynamo guards: (layouts, fn).
+    aliased), inductor's compiled graph called directly, with no dynamo guards: (layouts, fn, bare
+    callable or None).
 
     The guard is flowvm's own: every input has the layout (type, dtype, device, shape, strides) it
     was compiled for and needs no gradient; anything else takes the dynamo path.  A small fused
@@ -610,7 +613,12 @@ def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
     except Exception:
         return None
     layouts = tuple((type(a), a.dtype, a.device, a.shape, a.stride()) for a in args)
-    return layouts, fn
+    # On the CPU the graph's wrapper only adds bookkeeping (profiler labels, GPU autotune caches) around
+    # its generated callable: after one call through the wrapper, _compiled_call calls that directly.
+    call = getattr(fn, "current_callable", None)
+    if call is None or not set(getattr(fn, "device_types", None) or ()) <= {"cpu"}:
+        call = None
+    return layouts, fn, call
 
 
 def _barrier_index(calls) -> int:
