@@ -289,9 +289,13 @@ def save(driver, path: str | os.PathLike, key: bytes | str | None = None, meta: 
     return path
 
 
-def read_header(path: str | os.PathLike) -> dict:
-    """The header of a checkpoint file, after checking it is complete and uncorrupted."""
-    header, _ = _check(_read(path), path, None)
+def read_header(path: str | os.PathLike, key: bytes | str | None = None) -> dict:
+    """The header of a checkpoint file, after checking it is complete and uncorrupted.
+
+    With key, the signature is checked too: only then can the header's ``meta``
+    be trusted (it is covered by the signature, not by the checksum alone).
+    """
+    header, _ = _check(_read(path), path, _key_bytes(key))
     return header
 
 

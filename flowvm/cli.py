@@ -195,12 +195,19 @@ def _key(args) -> str | None:
     return getattr(args, "key", None) or os.environ.get(KEY_ENV) or None
 
 
-def _key_for(args, header: dict, path: Path) -> str | None:
-    """The key to load a saved run with: a signed file is only loaded with its key (and stays signed)."""
+def _trusted_header(args, path: Path) -> tuple[dict, str | None]:
+    """The header of a saved run and the key to load it with, checked before anything is imported.
+
+    A signed file is only read with its key (and stays signed); with a key the
+    signature is checked first, since the header names the module to import.
+    """
     key = _key(args)
+    header = checkpoint.read_header(path)
     if header.get("signed") and key is None:
         raise SystemExit(f"flowvm: {path} is signed: give its key with --key or ${KEY_ENV}")
-    return key
+    if key is not None:
+        header = checkpoint.read_header(path, key=key)
+    return header, key
 
 
 def _runner(args, drv: Driver, meta: dict, ckpt: Path | None) -> Runner:
@@ -254,9 +261,8 @@ def _module_of(meta: dict) -> ModuleType | None:
 
 def cmd_resume(args) -> int:
     _check_checkpoint_path(args.checkpoint)
-    header = checkpoint.read_header(args.path)
+    header, key = _trusted_header(args, args.path)
     meta = header.get("meta") or {}
-    key = _key_for(args, header, args.path)
     module = _module_of(meta)
     set_threads(args.threads if args.threads is not None else meta.get("threads"))
     if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
@@ -271,9 +277,8 @@ def cmd_resume(args) -> int:
 
 
 def cmd_show(args) -> int:
-    header = checkpoint.read_header(args.path)
+    header, key = _trusted_header(args, args.path)
     meta = header.get("meta") or {}
-    key = _key_for(args, header, args.path)
     _module_of(meta)
     drv = checkpoint.load(args.path, key=key, restore_random=False)
     what = f" {meta['target']}" + "".join(f" --set {s}" for s in meta.get("sets", [])) + "," \

@@ -220,7 +220,7 @@ class Driver:
 
     def _drive(self, limit, deadline: float | None, idle: "_Idle | None", block: bool) -> Any:
         """The loop of run() and arun(): with block=False it returns instead of waiting on pending leaves."""
-        chunk = 64  # REPEAT fast-path steps between two looks at the clock (with a deadline)
+        chunk = 1  # fast-path steps between two looks at the clock (with a deadline), grown while steps are quick
         while True:
             if self._leaf is None and not self._prepare():
                 return self.result

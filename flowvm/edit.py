@@ -51,6 +51,7 @@ REPEAT 3:
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
@@ -90,6 +91,8 @@ def same_value(p: Any, v: Any) -> bool:
         return True
     if getattr(v, "__func__", None) is p and p is not None:  # Class.method matches obj.method
         return True
+    if isinstance(p, types.FunctionType) and _same_function(p, getattr(v, "__func__", v)):
+        return True
     if isinstance(p, Register):
         return isinstance(v, Register) and p.name == v.name
     if isinstance(p, Element):
@@ -112,6 +115,14 @@ def same_value(p: Any, v: Any) -> bool:
         return bool(equal.all()) and getattr(p, "shape", None) == getattr(v, "shape", None)
     except Exception:
         return False
+
+
+def _same_function(p: types.FunctionType, v: Any) -> bool:
+    """Whether v is a copy of function p (one pickled by value, as functions of a script are): the same
+    module, qualified name and code."""
+    return (isinstance(v, types.FunctionType) and v.__qualname__ == p.__qualname__
+            and v.__module__ == p.__module__ and v.__code__.co_code == p.__code__.co_code
+            and v.__code__.co_consts == p.__code__.co_consts)
 
 
 def matches(pattern: Element, el: Element) -> bool:

@@ -255,3 +255,16 @@ def test_the_event_loop_example_checkpoints_stops_and_resumes_exactly(tmp_path):
     assert resumed.done and any(line.startswith("resuming at step") for line in logs)
     assert same(outcome(resumed), outcome(straight))
     assert not (tmp_path / "train.ckpt").exists()
+
+
+@pytest.mark.parametrize("shape", ["leaf", "seq"])
+def test_a_timeout_is_kept_when_each_step_is_slow(shape):
+    """The fast paths look at the clock after every step until steps prove quick."""
+    body = CALL(time.sleep, 0.05) if shape == "leaf" else SEQ([CALL(time.sleep, 0.05), CALL(time.sleep, 0.0)])
+    drv = REPEAT(200, body).start()
+    t0 = time.monotonic()
+    assert drv.run(timeout=0.2) is INCOMPLETE
+    assert time.monotonic() - t0 < 0.4 and drv.steps <= 10
+    t0 = time.monotonic()
+    assert asyncio.run(drv.arun(steps_per_yield=1000, timeout=0.2)) is INCOMPLETE
+    assert time.monotonic() - t0 < 0.4

@@ -347,3 +347,29 @@ def test_a_module_in_the_current_directory_and_a_build_that_returns_no_program(t
     out = flowvm_cmd("run", "broken.py", "--progress", "none", cwd=tmp_path, check=False)
     assert out.returncode != 0 and f"build() in {tmp_path / 'broken.py'} returned list [1, 2], not a flowvm " \
                                    "program" in out.stderr, out.stderr
+
+
+def test_a_tampered_signed_checkpoint_runs_no_code_before_its_signature_is_checked(tmp_path):
+    import hashlib
+    import json
+    import struct
+
+    from flowvm.checkpoint import MAGIC
+
+    ckpt, forged, marker = tmp_path / "signed.ckpt", tmp_path / "forged.ckpt", tmp_path / "EVIL"
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef build():\n    pass\n")
+    flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--max-steps", 10, "--key", "k1",
+               "--progress", "none")
+    data = ckpt.read_bytes()
+    (hlen,) = struct.unpack(">I", data[8:12])
+    header = json.loads(data[12:12 + hlen])
+    payload = data[12 + hlen + 32: 12 + hlen + 32 + header["payload_bytes"]]
+    header["meta"]["target"] = str(tmp_path / "evil.py")  # name a program of the attacker's
+    h = json.dumps(header).encode()
+    head = MAGIC + struct.pack(">I", len(h)) + h
+    body = head + hashlib.sha256(head).digest() + payload
+    forged.write_bytes(body + hashlib.sha256(body).digest() + b"\0" * 32)  # checksums fine, no valid HMAC
+    for command in (["resume", forged, "--key", "k1", "--progress", "none"], ["show", forged, "--key", "k1"]):
+        out = flowvm_cmd(*command, check=False)
+        assert out.returncode == 2 and "signature does not match" in out.stderr, out.stderr
+        assert not marker.exists(), f"flowvm {command[0]} imported the module a tampered header names"

@@ -259,3 +259,41 @@ def test_bad_patterns_are_clear_errors():
         prog.find()
     with pytest.raises(EditError, match="0 REPEAT elements"):
         prog.find(REPEAT(2, PRINT("a")))
+
+
+def test_functions_of_a_script_match_their_copies_in_a_copied_or_loaded_run(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import copy, pickle, sys
+        import flowvm
+        from flowvm import CALL, PRINT, REPEAT, SEQ, Registers
+
+        def inc(v):
+            return v + 1
+
+        class Layer:
+            def forward(self, v):
+                return v * 2
+
+        def other(v):
+            return v + 1   # the same code as inc, but another function
+
+        if __name__ == "__main__":
+            reg = Registers(v=0)
+            layer = Layer()
+            prog = SEQ([REPEAT(3, CALL(inc, reg("v"), store_to=reg("v"))), CALL(layer.forward, reg("v")),
+                        CALL(other, 1)])
+            drv = prog.start()
+            drv.run(max_steps=2)
+            flowvm.save(drv, sys.argv[1])
+            for copied in (pickle.loads(pickle.dumps(drv)), copy.deepcopy(drv), flowvm.load(sys.argv[1])):
+                print(copied.find(inc).paths, copied.find(Layer.forward).paths)
+    """))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "run.ckpt")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["['0.0'] ['1']"] * 3
