@@ -144,7 +144,13 @@ def build_program(target: str, sets: list[str]):
     module = load_module(target)
     if not callable(getattr(module, "build", None)):
         raise SystemExit(f"flowvm: {module.__name__} has no build() function")
-    program = module.build(**parse_sets(sets, module.build))
+    options = parse_sets(sets, module.build)
+    try:
+        program = module.build(**options)
+    except (TypeError, ValueError) as err:
+        where = getattr(module, "__file__", None) or module.__name__
+        given = " ".join(f"--set {s}" for s in sets) or "its defaults"
+        raise SystemExit(f"flowvm: build() in {where} rejected {given}: {type(err).__name__}: {err}") from err
     if not isinstance(program, Element):
         where = getattr(module, "__file__", None) or module.__name__
         raise SystemExit(f"flowvm: build() in {where} returned {type(program).__name__} {program!r:.60}, "
@@ -152,9 +158,11 @@ def build_program(target: str, sets: list[str]):
     return module, program
 
 
-def _finish(drv: Driver, module: ModuleType | None, ckpt: Path | None) -> None:
+def _finish(drv: Driver, module: ModuleType | None, ckpt: Path | None, signed: bool = False) -> None:
     if not drv.done:
         hint = f"; continue with `flowvm resume {ckpt}`" if ckpt is not None else ""
+        if hint and signed:
+            hint += f" (signed: give the key with --key or ${KEY_ENV})"
         print(f"paused at step {drv.steps}{hint}")
         return
     report = getattr(module, "report", None) if module is not None else None
@@ -229,8 +237,23 @@ def _check_checkpoint_path(path: Path | None) -> None:
             raise SystemExit(f"flowvm: --checkpoint {path}: no directory {path.parent}")
 
 
+def _refuse_to_overwrite(path: Path | None, force: bool) -> None:
+    """A run must not silently replace an unfinished run saved at its checkpoint path."""
+    if path is None or force or not path.exists():
+        return
+    try:
+        header = checkpoint.read_header(path)
+    except CheckpointError:
+        return  # not a readable saved run: nothing to lose
+    if not header.get("done"):
+        target = (header.get("meta") or {}).get("target") or header.get("program")
+        raise SystemExit(f"flowvm: {path} holds an unfinished run ({target}, step {header.get('steps')}); "
+                         f"continue it with `flowvm resume {path}`, or pass --force to start over")
+
+
 def cmd_run(args) -> int:
     _check_checkpoint_path(args.checkpoint)
+    _refuse_to_overwrite(args.checkpoint, args.force)
     module = load_module(args.target)
     threads = args.threads if args.threads is not None else getattr(module, "THREADS", None)
     set_threads(threads)
@@ -243,7 +266,7 @@ def cmd_run(args) -> int:
             "show": list(getattr(module, "SHOW", [])), "threads": threads,
             "every": args.every, "every_seconds": args.every_seconds}
     status = _runner(args, drv, meta, args.checkpoint).run(args.max_steps)
-    _finish(drv, module, args.checkpoint)
+    _finish(drv, module, args.checkpoint, _key(args) is not None)
     return status
 
 
@@ -254,8 +277,10 @@ def _module_of(meta: dict) -> ModuleType | None:
             return load_module(meta["target"])
         if meta.get("module"):
             return importlib.import_module(meta["module"])
-    except (SystemExit, ImportError):
-        pass
+    except (SystemExit, ImportError) as err:
+        reason = str(err.code if isinstance(err, SystemExit) else err).removeprefix("flowvm: ")
+        print(f"flowvm: warning: cannot load the run's program ({reason}); going on without its SHOW and "
+              "report() (objects defined there may fail to load)", file=sys.stderr)
     return None
 
 
@@ -272,7 +297,7 @@ def cmd_resume(args) -> int:
     drv = checkpoint.load(args.path, key=key)
     target = args.checkpoint if args.checkpoint is not None else Path(args.path)
     status = _runner(args, drv, meta, target).run(args.max_steps)
-    _finish(drv, module, target)
+    _finish(drv, module, target, key is not None)
     return status
 
 
@@ -354,6 +379,8 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a program")
     run.add_argument("target", help="bundled program name, module name or .py file")
     run.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a build() option")
+    run.add_argument("--force", action="store_true",
+                     help="start over even if --checkpoint holds an unfinished run (which is replaced)")
     running(run)
     run.set_defaults(func=cmd_run)
 

@@ -175,6 +175,8 @@ class Runner:
             if stop.signal is not None:
                 name = signal.Signals(stop.signal).name
                 where = f"; saved to {self.ckpt}, continue with `flowvm resume {self.ckpt}`" if self.ckpt else ""
+                if where and self.key is not None:
+                    where += " (signed: give the key with --key or $FLOWVM_CHECKPOINT_KEY)"
                 self.line(f"flowvm: stopped by {name} at step {drv.steps}{where}")
                 return 128 + stop.signal
         return 0

@@ -373,3 +373,36 @@ def test_a_tampered_signed_checkpoint_runs_no_code_before_its_signature_is_check
         out = flowvm_cmd(*command, check=False)
         assert out.returncode == 2 and "signature does not match" in out.stderr, out.stderr
         assert not marker.exists(), f"flowvm {command[0]} imported the module a tampered header names"
+
+
+def test_run_refuses_to_replace_an_unfinished_run_and_build_errors_name_the_options(tmp_path):
+    ckpt = tmp_path / "r.ckpt"
+    flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--max-steps", 5, "--progress", "none")
+    before = ckpt.read_bytes()
+    out = flowvm_cmd("run", "kmeans", "--checkpoint", ckpt, "--progress", "none", check=False)
+    assert out.returncode != 0 and f"{ckpt} holds an unfinished run (pca, step 5); continue it with " \
+                                   f"`flowvm resume {ckpt}`, or pass --force" in out.stderr, out.stderr
+    assert ckpt.read_bytes() == before
+    flowvm_cmd("run", "kmeans", "--set", "samples=300", "--checkpoint", ckpt, "--force", "--progress", "none")
+    assert flowvm.checkpoint.read_header(ckpt)["done"]
+    flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--progress", "none")  # a finished run is replaced
+    out = flowvm_cmd("run", "rbm", "--set", "epochs=-1", check=False)
+    assert out.returncode != 0 and "rejected --set epochs=-1: ValueError: REPEAT: count must be >= 0" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_signed_pause_says_the_key_is_needed_and_a_moved_program_is_reported(tmp_path):
+    out = flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", tmp_path / "s.ckpt", "--max-steps", 5, "--key", "k",
+                     "--progress", "none")
+    assert "(signed: give the key with --key or $FLOWVM_CHECKPOINT_KEY)" in out.stdout
+    program = tmp_path / "prog.py"
+    program.write_text("from flowvm import CALL, REPEAT, Registers\n"
+                       "def build():\n    reg = Registers(n=0)\n"
+                       "    return REPEAT(50, CALL(abs, reg('n'), store_to=reg('n')))\n"
+                       "def report(registers):\n    return 'the report'\n")
+    ckpt = tmp_path / "p.ckpt"
+    flowvm_cmd("run", program, "--checkpoint", ckpt, "--max-steps", 5, "--progress", "none")
+    program.rename(tmp_path / "moved.py")
+    out = flowvm_cmd("resume", ckpt, "--progress", "none")
+    assert "flowvm: warning: cannot load the run's program (no such program file" in out.stderr
+    assert "finished after 50 steps" in out.stdout and "the report" not in out.stdout
