@@ -23,6 +23,7 @@ from .passes import PassError, list_passes, optimize, register_pass
 from .passes.fuse_torch import FUSED, fusable
 from .processes import POPEN, SPAWN, CommandError, SpawnError
 from .data import Batches
+from . import analysis, checkpoint, testing  # noqa: F401,E402  (flowvm.testing.assert_same_run after import flowvm)
 
 __version__ = "0.1.0"
 

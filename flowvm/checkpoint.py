@@ -263,9 +263,16 @@ def save(driver, path: str | os.PathLike, key: bytes | str | None = None, meta: 
     renamed over path, so a crash leaves either the old or the new file.
     """
     path = Path(path)
-    data = _encode(driver, key, path, meta)
     directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    if path.is_dir():
+        raise CheckpointError(path, "is a directory; give a file name to save to")
+    if not directory.is_dir():
+        raise CheckpointError(path, f"cannot save: no directory {directory}")
+    data = _encode(driver, key, path, meta)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as err:
+        raise CheckpointError(path, f"cannot save: {err.strerror or err} in {directory}") from err
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

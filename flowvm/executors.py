@@ -340,7 +340,18 @@ def job_payload(fragment, registers: Registers, names) -> bytes:
     """
     shipped = {n: registers[n] for n in names if n in registers}
     buf = io.BytesIO()
-    _JobPickler(buf, registers).dump((fragment, shipped, os.urandom(8)))
+    try:
+        _JobPickler(buf, registers).dump((fragment, shipped, os.urandom(8)))
+    except Exception as err:
+        for name, value in shipped.items():  # name the register at fault, when one is
+            try:
+                _JobPickler(io.BytesIO(), registers).dump(value)
+            except Exception:
+                raise SpawnError(f"register {name!r}, which the fragment reads, cannot be pickled to send it "
+                                 f"to the other process ({type(err).__name__}: {err}); hold such objects "
+                                 "(locks, open files) in the fragment itself") from err
+        raise SpawnError(f"the fragment cannot be pickled to send it to the other process "
+                         f"({type(err).__name__}: {err})") from err
     return buf.getvalue()
 
 

@@ -93,6 +93,14 @@ def assert_same_run(build: Callable[[], Element], cuts: Iterable[int] | None = N
     reference = program.start()
     reference.run()
     expected = outcome(reference)
+    again = build().start()
+    again.run()
+    problems = diff(expected, outcome(again), steps)
+    if problems:
+        raise AssertionError("two uninterrupted runs of build() differ, so resumed runs cannot be compared: "
+                             "seed the global random generators inside build() (random.seed, "
+                             "numpy.random.seed, torch.manual_seed) and keep its CALLs deterministic:\n  "
+                             + "\n  ".join(problems))
     total = expected["steps"]
     if cuts is None:
         rng = random.Random(seed)

@@ -25,10 +25,21 @@ def program_registers(program: Element) -> Registers:
     """The one register file the program's references are bound to (a new empty one if none)."""
     files = register_files(program)
     if len(files) > 1:
-        names = [sorted({r.name for r in _refs(program) if r.file is f})[:3] for f in files]
+        from .paths import walk
+        from .printer import describe
+
+        first: dict[int, tuple] = {}  # register file -> (path, element, register) where it is first used
+        for path, el in walk(program):
+            for r in el.own_reads() + el.own_writes():
+                first.setdefault(id(r.file), (path, el, r))
+        where = [first[id(f)] for f in files if id(f) in first][:3]
+        shown = "; ".join(f"register {r.name!r} of file {k + 1} at path '{format_path(p) or '<root>'}' "
+                          f"({describe(el)})" for k, (p, el, r) in enumerate(where))
         raise VerifyError(
-            f"the program uses registers from {len(files)} different register files "
-            f"(for example {', '.join(str(n) for n in names)}); a program runs on one Registers object"
+            f"the program uses registers from {len(files)} different register files ({shown}); a program "
+            "runs on one Registers object: build every reference with the same one (reg = Registers(); "
+            "reg('name'))",
+            path=format_path(where[1][0]) if len(where) > 1 else "",
         )
     return files[0] if files else Registers()
 

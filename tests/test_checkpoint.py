@@ -513,6 +513,16 @@ def test_save_is_not_fooled_by_a_non_driver(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_save_to_a_directory_or_into_a_missing_one_names_the_path(tmp_path):
+    drv = CALL(abs, -1).start()
+    with pytest.raises(CheckpointError, match="is a directory; give a file name") as err:
+        flowvm.save(drv, tmp_path)
+    assert str(tmp_path) in str(err.value)
+    with pytest.raises(CheckpointError, match=f"no directory {tmp_path / 'missing'}"):
+        flowvm.save(drv, tmp_path / "missing" / "x.ckpt")
+    assert os.listdir(tmp_path) == []
+
+
 # ==================================================================== damaged files
 def test_truncated_files(saved, tmp_path):
     path, data = saved

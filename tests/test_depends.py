@@ -185,3 +185,4 @@ def test_optimizing_keeps_the_overrides_of_sub_programs():
     prog = SEQ([SEQ([stage, CALL(describe, Depends(get_device), store_to=reg("other"))])])
     flowvm.optimize(prog).run()
     assert (reg["dev"], reg["other"]) == ("cpu", "cuda:0")
+

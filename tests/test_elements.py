@@ -196,8 +196,10 @@ def test_program_runs_on_its_register_file_or_a_new_one():
 def test_two_register_files_are_rejected_at_start():
     a, b = Registers(x=1), Registers(y=2)
     prog = SEQ([CALL(print, a("x")), CALL(print, b("y"))])
-    with pytest.raises(flowvm.VerifyError, match="2 different register files"):
+    with pytest.raises(flowvm.VerifyError, match="2 different register files") as err:
         prog.start()
+    assert "register 'x' of file 1 at path '0'" in str(err.value)
+    assert "register 'y' of file 2 at path '1'" in str(err.value) and err.value.path == "1"
 
 
 def test_start_reads_no_register():

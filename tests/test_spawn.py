@@ -205,6 +205,15 @@ def test_a_result_that_cannot_travel_names_the_register():
         drive(SPAWN(CALL(threading.Lock, store_to=reg("lock"))).start())
 
 
+def test_a_register_that_cannot_travel_to_the_fragment_names_the_register():
+    reg = Registers(lock=threading.Lock(), n=1)
+    drv = SPAWN(CALL(lambda lock, n: n, reg("lock"), reg("n"))).start()
+    with pytest.raises(SpawnError, match="register 'lock', which the fragment reads, cannot be pickled"):
+        drv.step()
+    reg["lock"] = 2
+    assert drive(drv) == 1  # the failed step left the driver ready to submit again
+
+
 def test_a_killed_worker_is_a_clear_error_and_the_default_pool_recovers():
     reg = Registers(a=1)
     t0 = time.monotonic()
