@@ -97,6 +97,8 @@ def _check(el: Element, path: tuple, before: frozenset, program: Element) -> fro
         _check_reads(el, path, before, program)
         own = {r.name for r in el.own_writes()}
         _check(el.body, path + (0,), before | (own if isinstance(el, REPEAT) else set()), program)
+        if isinstance(el.n, int) and el.n == 0:  # the body never runs (a BUFFER still stores [])
+            return before | own
         return before | own | writes(el.body)
     if isinstance(el, LOOP):
         if not can_step(el.body):

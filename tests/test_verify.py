@@ -55,6 +55,16 @@ def test_counters_and_buffers_write_their_registers():
         verify(SWITCH(reg("sel"), {}, default=CALL(toy.const, 1)))
 
 
+def test_a_body_repeated_zero_times_writes_nothing():
+    reg = Registers()
+    with pytest.raises(VerifyError, match="'q'"):
+        verify(SEQ([REPEAT(0, CALL(toy.const, 1, store_to=reg("q"))), CALL(toy.inc, reg("q"))]))
+    with pytest.raises(VerifyError, match="'q'"):
+        verify(SEQ([BUFFER(0, CALL(toy.const, 1, store_to=reg("q")), store_to=reg("b")), CALL(toy.inc, reg("q"))]))
+    verify(SEQ([BUFFER(0, CALL(toy.const, 1), store_to=reg("b")), PRINT(reg("b"))]))  # an empty buffer is stored
+    verify(SEQ([REPEAT(0, CALL(toy.inc, reg("i")), counter=reg("i")), PRINT(reg("i"))]))  # the counter holds 0
+
+
 def test_while_condition_sees_only_earlier_writes():
     reg = Registers()
     with pytest.raises(VerifyError, match="'k'"):
