@@ -124,6 +124,7 @@ class Driver:
         self._carry: Any = _NOVALUE
         self._ready = False
         self._rotate = False
+        self._fresh: int | None = None  # see _settle
         self._weave = _has_weave(program)
 
     # Live handles of leaves between polls (see the leaf protocol above): a
@@ -139,6 +140,9 @@ class Driver:
     # runs, and the frames around it that the fast paths use.
     _leaf = None
     _fast = None
+    # Plain state (pickled): the index of the outermost of the frames that the last settle entered
+    # and that have taken no step since (from there up to the next leaf); None: the leaf alone.
+    _fresh = None
     _fastseq = None  # (REPEAT frame, SEQ frame) when the leaf is in a SEQ of plain leaves that a REPEAT repeats
 
     # ------------------------------------------------------------------ public
@@ -153,6 +157,7 @@ class Driver:
                 self._annotate(err, "running")
                 raise
             self.steps += 1
+            self._fresh = None
             i = fast[1] = fast[1] + 1
             fast[3] = value
             counter = fast[0].counter
@@ -222,10 +227,10 @@ class Driver:
         """The loop of run() and arun(): with block=False it returns instead of waiting on pending leaves."""
         chunk = 1  # fast-path steps between two looks at the clock (with a deadline), grown while steps are quick
         while True:
+            if self.steps >= limit and not self.done:
+                return INCOMPLETE  # checked first: run(max_steps=0) enters nothing
             if self._leaf is None and not self._prepare():
                 return self.result
-            if self.steps >= limit:
-                return INCOMPLETE
             if deadline is not None:
                 if monotonic() >= deadline:
                     return INCOMPLETE
@@ -386,6 +391,8 @@ class Driver:
             parent[1] = i
             parent[3] = value
             self.steps += i - start
+            if i > start:
+                self._fresh = None
 
     def _repeat_seq(self, fs: tuple, limit) -> int:
         """Run a SEQ of plain leaves repeated by a REPEAT in a tight loop, up to (not including) the last
@@ -419,6 +426,8 @@ class Driver:
             if ran:
                 self._stack[-1] = [children[pos]]
                 self._leaf = leaves[pos]
+                # as settling would leave it: a SEQ just begun again counts as entered afresh
+                self._fresh = len(self._stack) - 2 if pos == 0 else None
         return ran
 
     def _after_leaf(self, value: Any) -> None:
@@ -435,13 +444,14 @@ class Driver:
                         self.steps += 1
                         fr[1] = pos
                         stack[-1] = [nxt]
-                        self._leaf = self._fast = self._fastseq = None
+                        self._leaf = self._fast = self._fastseq = self._fresh = None
                         try:
                             self._leaf = leaf_function(nxt, self.registers)
                         except Exception:  # retried, and raised, by the next step's _prepare
                             pass
                         return
         self.steps += 1
+        self._fresh = None
         self._stack.pop()
         self._carry = value
         self._ready = False
@@ -457,6 +467,7 @@ class Driver:
     def _after_poll(self) -> None:
         """A leaf polled something still running: one step, the leaf stays where it is."""
         self.steps += 1
+        self._fresh = None
         if self._weave:
             self._credit_weaves()
             if self._rotate:
@@ -472,6 +483,9 @@ class Driver:
         stack = self._stack
         value = self._carry
         nexts, starts, pushed, novalue = _NEXT, _START, _PUSHED, _NOVALUE
+        # The frames this settle starts: those of them right below the next leaf have taken no step
+        # yet, so a hot patch may rewind them (see _fresh and flowvm.hotpatch).
+        entered: dict[int, list] = {}  # id -> frame (held, so that no id is reused meanwhile)
         try:
             while True:
                 if value is not novalue:
@@ -491,7 +505,12 @@ class Driver:
                     if el.is_leaf:
                         self._carry = novalue
                         self._ready = True
+                        fresh = len(stack) - 1
+                        while fresh and id(stack[fresh - 1]) in entered:
+                            fresh -= 1
+                        self._fresh = fresh
                         return
+                    entered[id(fr)] = fr
                     r = starts[el.__class__](self, fr)
                 if r is pushed:
                     value = novalue

@@ -13,7 +13,11 @@ and in the paused segments of WEAVE frames, to the edited tree:
   started: it can be replaced or removed; an element inserted before it
   runs next, and so does one inserted after the element that just finished
   when both are children of one SEQ (in a loop body that just finished an
-  iteration, an element inserted after the body runs after its next one);
+  iteration, an element inserted after the body runs after its next one).
+  After a leaf the driver enters the containers on its way to the next leaf
+  (``Driver._fresh`` marks them); none of their steps has run, so for a patch
+  they have not started: their frames are rewound and entered again by the
+  next step;
 - an element inserted before a started element runs from its next
   activation on; one inserted after it runs when it finishes;
 - a SEQ's position moves with its running child when siblings are inserted
@@ -60,7 +64,15 @@ class DriverFrames(NoFrames):
 
     def __init__(self, drv: Driver):
         self.drv = drv
-        self.main = [self._copy(fr) for fr in drv._stack]
+        stack = drv._stack
+        fresh = drv._fresh if drv._ready and not drv.done else None
+        if fresh is not None and fresh < len(stack) - 1:
+            # The last settle entered these containers on its way to the next leaf, and none of
+            # them has taken a step: the patch sees them as not started (the next step enters
+            # them again), so an element inserted before them runs first.
+            self.main = [self._copy(fr) for fr in stack[:fresh]] + [_Frame(stack[fresh], [stack[fresh][0]])]
+        else:
+            self.main = [self._copy(fr) for fr in stack]
 
     def _copy(self, fr: list) -> _Frame:
         data = list(fr)
@@ -249,9 +261,11 @@ def patch_driver(drv: Driver, found: list[Match], op: str, new: Any) -> Driver:
     drv._weave = _has_weave(program)
     drv._leaf = None
     drv._fast = drv._fastseq = None
+    drv._fresh = None  # frame indices moved; a rewound driver settles again just below and sets it anew
+    untouched = drv.steps == 0 and len(drv._stack) == 1 and len(drv._stack[0]) == 1
     if not drv.done and drv._ready and drv._stack and not drv._stack[-1][0].is_leaf:
         drv._ready = False
-    if not drv.done:
+    if not drv.done and not untouched:  # a driver fresh from start() still reads nothing until it steps
         try:
             drv._prepare()
         except Exception:

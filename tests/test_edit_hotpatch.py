@@ -95,7 +95,7 @@ def test_hot_patch_a_run_loaded_from_a_checkpoint(tmp_path):
 def test_replacing_or_removing_a_running_element_is_refused_naming_it():
     prog, reg = fresh()
     drv = prog.start()
-    drv.run(max_steps=4)
+    drv.run(max_steps=5)  # inside the second batch: its SEQ has run data_fn
     before = str(drv)
     with pytest.raises(EditError, match=r"cannot replace REPEAT 3 \(counter epoch\) at path '1': it is running"):
         drv.find(REPEAT(3, SEQ([REPEAT(5, SEQ([CALL(data_fn), CALL(step_fn), CALL(toy.inc)])),
@@ -378,3 +378,56 @@ def test_add_a_hook_to_a_training_run_loaded_from_a_checkpoint_and_resume_it(tmp
     cd1_steps = [2 + 22 * e + 2 * b + 2 for e in range(3) for b in range(10)]
     assert len(seen) == sum(1 for s in cd1_steps if s >= 25) and seen[-1] == ref.registers["batch_error"]
     assert loaded.steps == ref.steps + len(seen)
+
+
+def _log(t, x):
+    return t + (x,)
+
+
+def _mark(reg, tag):
+    return CALL(_log, reg("t"), tag, store_to=reg("t"))
+
+
+@pytest.mark.parametrize("via", ["step", "run"])
+def test_a_container_the_run_has_only_entered_is_not_started(via):
+    """After a leaf the driver enters the containers on its way to the next leaf; none of their steps has
+    run, so they can be replaced or removed, and an element inserted before them (or after the element
+    that just finished) runs first."""
+    def advance(drv, n):
+        for _ in range(n):
+            drv.step() if via == "step" else drv.run(max_steps=1)
+
+    cases = [
+        (lambda reg: SEQ([_mark(reg, "x"), REPEAT(3, _mark(reg, "y"))]), 1,
+         lambda drv: drv.at("0").insert_after(_mark(drv.registers, "W")), ("x", "W", "y", "y", "y")),
+        (lambda reg: SEQ([_mark(reg, "x"), SEQ([_mark(reg, "y"), _mark(reg, "z")])]), 1,
+         lambda drv: drv.at("1").insert_before(_mark(drv.registers, "W")), ("x", "W", "y", "z")),
+        (lambda reg: SEQ([_mark(reg, "x"), REPEAT(3, _mark(reg, "y"))]), 1,
+         lambda drv: drv.at("1").replace_with(_mark(drv.registers, "R")), ("x", "R")),
+        (lambda reg: SEQ([_mark(reg, "x"), REPEAT(3, _mark(reg, "y")), _mark(reg, "z")]), 1,
+         lambda drv: drv.at("1").remove(), ("x", "z")),
+        (lambda reg: REPEAT(3, SEQ([_mark(reg, "a"), _mark(reg, "b")])), 2,  # the body begins again
+         lambda drv: drv.at("0").insert_before(_mark(drv.registers, "W")), ("a", "b", "W", "a", "b", "W", "a", "b")),
+    ]
+    for build, k, patch, expected in cases:
+        reg = Registers(t=())
+        drv = build(reg).start()
+        advance(drv, k)
+        patch(drv)
+        drv.run()
+        assert reg["t"] == expected, (expected, reg["t"])
+    reg = Registers(t=())
+    drv = SEQ([_mark(reg, "x"), REPEAT(3, _mark(reg, "y"))]).start()
+    advance(drv, 2)  # the REPEAT has run an iteration: it is running
+    with pytest.raises(EditError, match="it is running"):
+        drv.at("1").replace_with(_mark(drv.registers, "R"))
+
+
+def test_a_patch_of_a_driver_that_has_not_stepped_reads_no_register():
+    reg = Registers(t=(), n=1)
+    drv = SEQ([REPEAT(reg("n"), _mark(reg, "a")), _mark(reg, "z")]).start()
+    assert drv.run(max_steps=0) is INCOMPLETE and drv.position is None  # entered nothing, read nothing
+    drv.at("1").insert_after(_mark(drv.registers, "W"))
+    reg["n"] = 3  # read by the first step, as without the patch
+    drv.run()
+    assert reg["t"] == ("a", "a", "a", "z", "W")
