@@ -124,10 +124,11 @@ def _set_lbfgs_state(opt, state) -> None:
 
 
 def rebuild_driver(state: dict):
-    from .driver import Driver
+    from .driver import _DRIVERS, Driver
 
     drv = Driver.__new__(Driver)
     drv.__dict__.update(state)
+    _DRIVERS.add(drv)
     return drv
 
 

@@ -7,6 +7,8 @@ pickled, and rebuilt on first use after loading.
 
 from __future__ import annotations
 
+import keyword
+
 from typing import Any, Callable
 
 from .elements import CALL, PRINT, Element
@@ -39,7 +41,7 @@ def _build(el: Element, regs: dict) -> Callable[[], Any]:
         ns["fn"] = el.fn
         parts = [_arg_source(a, f"a{i}", ns) for i, a in enumerate(el.args)]
         for i, (key, value) in enumerate(el.kwargs.items()):
-            if key.isidentifier():
+            if key.isidentifier() and not keyword.iskeyword(key):
                 parts.append(f"{key}={_arg_source(value, f'k{i}', ns)}")
             else:  # a keyword that is not an identifier can only be passed through **
                 ns[f"kw{i}"] = {key: value}

@@ -115,6 +115,8 @@ class Batches:
                 raise TypeError(f"Batches: {name} must be an int, got {type(value).__name__} {value!r:.40}")
         if batch_size < 1:
             raise ValueError(f"Batches: batch_size must be >= 1, got {batch_size}")
+        if seed < 0:
+            raise ValueError(f"Batches: seed must be >= 0 (numpy seeds are non-negative), got {seed}")
         self.kind, self.size = self._inspect(source)
         self.source = source
         self.batch_size = int(batch_size)
@@ -175,10 +177,15 @@ class Batches:
     def load_state_dict(self, state: dict) -> None:
         """Go to a position returned by state_dict (from this object or one over the same source)."""
         try:
-            seed, epoch, position = (int(state[k]) for k in ("seed", "epoch", "position"))
+            values = [state[k] for k in ("seed", "epoch", "position")]
+            if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in values):
+                raise TypeError("not an int")
+            seed, epoch, position = (int(v) for v in values)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"Batches.load_state_dict: expected a dict with int 'seed', 'epoch' and 'position', "
                              f"got {state!r:.80}") from err
+        if seed < 0:
+            raise ValueError(f"Batches.load_state_dict: seed must be >= 0, got {seed}")
         if epoch < 0 or not 0 <= position < len(self):
             raise ValueError(f"Batches.load_state_dict: position {position} of epoch {epoch} is outside "
                              f"0..{len(self) - 1}")

@@ -37,13 +37,15 @@ driver's leaf protocol; every other CALL keeps the compiled fast path.
 
 from __future__ import annotations
 
+import keyword
+
 import inspect
 from typing import Any, Callable
 
 from .driver import Driver
 from .elements import CALL
 from .errors import FlowError
-from .registers import Register, Registers, has_registers, resolve
+from .registers import Register, Registers, has_registers, resolve, same_kind_of_dict
 
 
 class Depends:
@@ -222,7 +224,7 @@ def _resolve_arg(value: Any, drv: Driver, regs: dict, cache: dict, within: tuple
     if isinstance(value, dict) and not isinstance(value, Registers):
         pairs = {_resolve_arg(k, drv, regs, cache, within): _resolve_arg(v, drv, regs, cache, within)
                  for k, v in value.items()}
-        return pairs if type(value) is dict else type(value)(pairs)
+        return pairs if type(value) is dict else same_kind_of_dict(value, pairs)
     return resolve(value, regs)
 
 
@@ -243,7 +245,7 @@ def _factory(el: "DependsCALL") -> Callable:
     ns: dict[str, Any] = {}
     parts = [_arg_source(a, f"a{i}", ns) for i, a in enumerate(el.args)]
     for i, (key, value) in enumerate(el.kwargs.items()):
-        if key.isidentifier():
+        if key.isidentifier() and not keyword.iskeyword(key):
             parts.append(f"{key}={_arg_source(value, f'k{i}', ns)}")
         else:
             ns[f"kw{i}"] = {key: value}

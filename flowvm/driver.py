@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import numbers
 import sys
+import weakref
 from time import monotonic
 from typing import Any
 
@@ -117,6 +118,7 @@ class Driver:
         # A copy of the root alone (its children are shared): an edit of the
         # user's program, which changes that root in place, leaves this run be.
         self.program = program = _root_copy(program)
+        _DRIVERS.add(self)
         self.steps = 0
         self.done = False
         self.result: Any = None
@@ -154,8 +156,7 @@ class Driver:
             try:
                 value = self._leaf()
             except Exception as err:
-                self._annotate(err, "running")
-                raise
+                raise self._running_error(err)
             self.steps += 1
             self._fresh = None
             i = fast[1] = fast[1] + 1
@@ -169,8 +170,7 @@ class Driver:
         try:
             value = self._leaf()
         except Exception as err:
-            self._annotate(err, "running")
-            raise
+            raise self._running_error(err)
         if value is PENDING:
             self._after_poll()
             return INCOMPLETE
@@ -240,8 +240,7 @@ class Driver:
                     try:
                         self._repeat_leaf(fast, min(limit, self.steps + chunk))
                     except Exception as err:
-                        self._annotate(err, "running")
-                        raise
+                        raise self._running_error(err)
                     took = monotonic() - t0
                     chunk = min(chunk * 2, 1 << 20) if took < 0.0005 else max(chunk // 2, 1) if took > 0.002 \
                         else chunk
@@ -251,8 +250,7 @@ class Driver:
                     try:
                         ran = self._repeat_seq(self._fastseq, min(limit, self.steps + chunk))
                     except Exception as err:
-                        self._annotate(err, "running")
-                        raise
+                        raise self._running_error(err)
                     if ran:
                         took = monotonic() - t0
                         chunk = min(chunk * 2, 1 << 20) if took < 0.0005 else max(chunk // 2, 1) \
@@ -264,23 +262,20 @@ class Driver:
                     try:
                         self._repeat_leaf(fast, limit)
                     except Exception as err:  # annotated once the state is written back
-                        self._annotate(err, "running")
-                        raise
+                        raise self._running_error(err)
                     if self.steps >= limit:
                         return INCOMPLETE
                 elif self._fastseq is not None:
                     try:
                         self._repeat_seq(self._fastseq, limit)
                     except Exception as err:
-                        self._annotate(err, "running")
-                        raise
+                        raise self._running_error(err)
                     if self.steps >= limit:
                         return INCOMPLETE
             try:
                 value = self._leaf()
             except Exception as err:
-                self._annotate(err, "running")
-                raise
+                raise self._running_error(err)
             if value is PENDING:
                 key = id(self._stack[-1])
                 steps = self.steps
@@ -551,6 +546,22 @@ class Driver:
                 segs[b] = None
                 fr[_W_ACTIVE] = b
 
+    def _running_error(self, err: BaseException) -> BaseException:
+        """err raised by the leaf on top, annotated; a register the leaf reads that holds no value (the
+        KeyError of its lookup) becomes a RegisterError naming it."""
+        el = self._stack[-1][0] if self._stack else None
+        if (isinstance(err, KeyError) and not isinstance(err, RegisterError) and el is not None and err.args
+                and isinstance(err.args[0], str) and err.args[0] not in self.registers
+                and any(r.name == err.args[0] for r in el.own_reads())):
+            from .printer import describe
+
+            name = err.args[0]
+            new = RegisterError(f"register {name!r} holds no value when {describe(el)} reads it", name)
+            new.__cause__, new.__suppress_context__ = err, True
+            err = new
+        self._annotate(err, "running")
+        return err
+
     def _annotate(self, err: BaseException, doing: str) -> None:
         try:
             path, fr = self.frame_paths()[-1] if self._stack else ((), [self.program])
@@ -563,6 +574,34 @@ class Driver:
             err._flowvm_noted = True
         except Exception:  # pragma: no cover - never hide the user's error
             pass
+
+
+_DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()  # drivers started in this process (see running_in)
+
+
+def running_in(el: Element) -> "tuple[Driver, str] | None":
+    """A live driver of this process with a started frame of el, and that frame's path; else None.
+
+    Editing el in place (``flowvm.edit``) would pull the children out from under such a frame.
+    """
+    def frames(chain):
+        for fr in chain:
+            yield fr
+            if type(fr[0]) is WEAVE and len(fr) > 1:
+                for seg in fr[_W_SEGS]:
+                    if seg:
+                        yield from frames(seg)
+
+    for drv in list(_DRIVERS):
+        if drv.done:
+            continue
+        for fr in frames(drv._stack):
+            if fr[0] is el and len(fr) > 1:
+                for path, frame in drv.frame_paths():
+                    if frame is fr:
+                        return drv, format_path(path)
+                return drv, "(a paused WEAVE child)"
+    return None
 
 
 def _root_copy(program: Element) -> Element:

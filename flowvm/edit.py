@@ -244,6 +244,17 @@ class Matches(Sequence):
             if here is not m.element:
                 raise EditError(f"the program has changed since these matches of {self.description} were "
                                 "found (another edit moved them): call find() or at() again", m.path_text)
+        from .driver import running_in
+
+        live = running_in(self.target)
+        if live is not None:
+            from .printer import describe
+
+            drv, where = live
+            raise EditError(f"{describe(self.target)} is running in a driver (step {drv.steps}, at path "
+                            f"{where!r}); an edit in place would change it under that run: patch the run "
+                            "through the driver (drv.find(...), drv.at(...)), or edit a copy "
+                            "(copy.copy(element).find(...))")
         edited = apply_edits(self.target, self._found, op, new)
         self._used = True
         return become(self.target, edited)

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable
 from .elements import BUFFER, CALL, PRINT, REPEAT, SWITCH, Element
 from .errors import VerifyError
 from .paths import format_path, walk
-from .registers import Register, Registers
+from .registers import Register, Registers, same_kind_of_dict
 
 SEPARATOR = "."
 
@@ -93,7 +93,7 @@ def _rename_value(value: Any, rename: Callable[[Register], Register],
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(value, dict) and not isinstance(value, Registers):
         pairs = {_rename_value(k, rename, sub): _rename_value(v, rename, sub) for k, v in value.items()}
-        return pairs if type(value) is dict else type(value)(pairs)
+        return pairs if type(value) is dict else same_kind_of_dict(value, pairs)
     return value
 
 
@@ -109,15 +109,28 @@ def rename_registers(program: Element, rename: Callable[[Register], Register],
     element found at several places is rebuilt once, so the result shares it
     in the same way.
     """
-    memo: dict[int, Element] = {}
+    memo: dict[tuple, Element] = {}
 
-    def sub(el: Element) -> Element:
-        done = memo.get(id(el))
-        if done is None:
-            done = memo[id(el)] = _rename_element(el, rename, rename_name, sub)
-        return done
+    def scoped(keep: frozenset, rename: Callable[[Register], Register],
+               rename_name: Callable[[str], str] | None) -> Callable[[Element], Element]:
+        def sub(el: Element) -> Element:
+            key = (id(el), keep)
+            done = memo.get(key)
+            if done is None:
+                shared = el.scope.shared if el.scope is not None else frozenset()
+                if shared - keep:  # an instance inside: what its template shares stays shared
+                    inner = keep | shared
+                    r = lambda reg: reg if reg.name in inner else rename(reg)  # noqa: E731
+                    n = None if rename_name is None else (lambda name: name if name in inner else rename_name(name))
+                    done = _rename_element(el, r, n, scoped(inner, r, n))
+                else:
+                    done = _rename_element(el, rename, rename_name, sub)
+                memo[key] = done
+            return done
 
-    return sub(program)
+        return sub
+
+    return scoped(frozenset(), rename, rename_name)(program)
 
 
 def _rename_element(el: Element, rename: Callable[[Register], Register], rename_name: Callable[[str], str] | None,
@@ -245,11 +258,28 @@ def collisions(program: Element) -> list[dict]:
         for pb, b in found[i + 1:]:
             if a is b or pb[: len(pa)] == pa or pa[: len(pb)] == pb:
                 continue
-            common = (writes(a) & writes(b)) - (a.scope.shared & b.scope.shared)
+            common = (writes(a) & writes(b)) - (_shared_writes(a) & _shared_writes(b))
             if common:
                 out.append({"paths": (format_path(pa), format_path(pb)), "registers": sorted(common),
                             "instances": (a.scope, b.scope)})
     return out
+
+
+def _shared_writes(instance: Element) -> frozenset:
+    """Names the instance writes only where it, or an instance inside it, declares them shared."""
+    shared_only: set[str] = set()
+    owned: set[str] = set()
+
+    def visit(el: Element, shared: frozenset) -> None:
+        if el.scope is not None:
+            shared = shared | el.scope.shared
+        for r in el.own_writes():
+            (shared_only if r.name in shared else owned).add(r.name)
+        for child in el.children:
+            visit(child, shared)
+
+    visit(instance, frozenset())
+    return frozenset(shared_only - owned)
 
 
 def check_collisions(program: Element) -> None:

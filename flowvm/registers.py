@@ -7,6 +7,8 @@ driver reads or writes the value when the element runs.
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any
 
 
@@ -92,5 +94,13 @@ def resolve(obj: Any, file: dict) -> Any:
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     if isinstance(obj, dict) and not isinstance(obj, Registers):
         pairs = {resolve(k, file): resolve(v, file) for k, v in obj.items()}
-        return pairs if type(obj) is dict else type(obj)(pairs)
+        return pairs if type(obj) is dict else same_kind_of_dict(obj, pairs)
     return obj
+
+
+def same_kind_of_dict(like: dict, pairs: dict) -> dict:
+    """pairs in a dict of like's class (a defaultdict keeps its default factory, an OrderedDict its kind)."""
+    out = copy.copy(like)
+    out.clear()
+    out.update(pairs)
+    return out

@@ -123,6 +123,10 @@ def _check(el: Element, path: tuple, before: frozenset, program: Element) -> fro
             after |= _check(children[i], path + (i,), before, program)
         return frozenset(after)
     if isinstance(el, WEAVE):
+        if el.n_required == 0:  # done before any child takes a step
+            for i, child in enumerate(el.elements):
+                _check(child, path + (i,), before | writes(el), program)  # checked, but writes nothing
+            return before
         all_writes = [writes(c) for c in el.elements]
         after = set(before)
         for i, child in enumerate(el.elements):

@@ -166,3 +166,14 @@ def test_checkpoint_mid_epoch_resumes_on_the_next_batch(tmp_path):
     later.run(max_steps=1)
     assert later.registers["batch"].shape == (5, 2)
     assert np.array_equal(later.registers["batch"], expected_next)
+
+
+def test_a_negative_seed_and_non_integer_positions_are_refused():
+    import numpy as np
+
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        flowvm.Batches(np.arange(10), 4, seed=-1)
+    data = flowvm.Batches(np.arange(10), 4)
+    with pytest.raises(ValueError, match="expected a dict with int 'seed', 'epoch' and 'position'"):
+        data.load_state_dict({"seed": 0, "epoch": 0.7, "position": 1.9})
+    assert data.state_dict() == {"seed": 0, "epoch": 0, "position": 0}

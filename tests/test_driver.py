@@ -200,3 +200,22 @@ def test_driver_listing_marks_position_and_step():
     assert drv.position == "0.0"
     drv.run()
     assert "finished after 4 steps" in str(drv)
+
+
+def test_a_register_emptied_at_run_time_is_a_register_error_naming_it_and_the_path():
+    from flowvm import PRINT, RegisterError
+
+    for reader in (lambda reg: CALL(toy.inc, reg("x")), lambda reg: PRINT(reg("x")),
+                   lambda reg: CALL(toy.const, [reg("x")])):
+        reg = Registers(x=1)
+        drv = SEQ([CALL(reg.pop, "x"), reader(reg)]).start()
+        with pytest.raises(RegisterError, match="register 'x' holds no value when") as err:
+            drv.run()
+        assert err.value.register == "x" and err.value.path == "1" and drv.steps == 1
+        reg["x"] = 5
+        drv.run()  # retried once the register holds a value
+        assert drv.done and drv.steps == 2
+
+
+def test_keyword_arguments_named_like_python_keywords():
+    assert CALL(dict, **{"from": 1, "class": 2}).run() == {"from": 1, "class": 2}

@@ -297,3 +297,20 @@ def test_functions_of_a_script_match_their_copies_in_a_copied_or_loaded_run(tmp_
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["['0.0'] ['1']"] * 3
+
+
+def test_an_element_a_driver_is_running_is_not_edited_in_place_under_it():
+    reg = Registers(v=0, log=[])
+    inner = SEQ([CALL(debug, reg("log"), 1), CALL(debug, reg("log"), 2), CALL(debug, reg("log"), 3)])
+    drv = SEQ([CALL(debug, reg("log"), 0), inner]).start()
+    drv.run(max_steps=2)  # inside inner
+    with pytest.raises(EditError, match=r"SEQ is running in a driver \(step 2, at path '1'\)"):
+        inner.at("0").insert_after(CALL(debug, reg("log"), "W"))
+    with pytest.raises(EditError, match="is running in a driver"):
+        drv.program.find(debug).insert_after(PRINT("x"))  # the driver's own root
+    assert "W" not in str(inner)
+    drv.at("1.1").insert_before(CALL(debug, drv.registers("log"), "W"))  # through the driver instead
+    drv.run()
+    assert reg["log"] == [("debug", 0), ("debug", 1), ("debug", "W"), ("debug", 2), ("debug", 3)]
+    inner.at("0").insert_after(CALL(debug, reg("log"), "late"))  # once the run is over, in place again
+    assert "late" in str(inner)

@@ -216,3 +216,18 @@ def test_isolate_renames_commands_and_spawned_fragments():
     assert reg["a.out"].stdout == "hello\n" and (reg["a.y"], reg["a.z"], reg["a.v"]) == (3, 4, 4)
     assert "y" not in reg and "v" not in reg and "out" not in reg  # the template's own names are untouched
     assert str(prog).count("a.") == 0  # and so is the template
+
+
+def test_what_a_template_shares_stays_shared_when_an_enclosing_program_is_isolated():
+    reg = Registers()
+
+    @flowvm.template(shared=["log"])
+    def train(tag):
+        return SEQ([CALL(toy.const, tag, store_to=reg("w")), CALL(toy.const, tag, store_to=reg("log"))])
+
+    prog = SEQ([SEQ([train("a").isolate("x"), CALL(toy.const, 1, store_to=reg("own"))]).isolate("o"),
+                train("b").isolate("b")])
+    prog.run()
+    assert sorted(reg) == ["b.w", "log", "o.own", "o.x.w"]
+    outer_writes_log = SEQ([train("a").isolate("x"), CALL(toy.const, 1, store_to=reg("log"))]).isolate("o")
+    assert "o.log" in flowvm.analysis.writes(outer_writes_log)  # its own write is not the template's to share

@@ -207,3 +207,13 @@ def test_start_reads_no_register():
     drv = REPEAT(reg("n"), CALL(lambda: 1)).start()  # would fail if start() read n
     reg["n"] = 2
     assert drv.run() == 1 and drv.steps == 2
+
+
+def test_registers_inside_dict_subclasses_keep_the_subclass():
+    import collections
+
+    reg = Registers(x=1)
+    got = CALL(lambda d: (type(d), d["a"], d["missing"]), collections.defaultdict(list, {"a": reg("x")})).run()
+    assert got == (collections.defaultdict, 1, [])
+    ordered = CALL(lambda d: d, collections.OrderedDict(b=reg("x"), a=2)).run()
+    assert type(ordered) is collections.OrderedDict and list(ordered.items()) == [("b", 1), ("a", 2)]

@@ -82,3 +82,9 @@ def test_while_condition_sees_only_earlier_writes():
 def test_loops_that_can_never_step(prog):
     with pytest.raises(VerifyError, match="can never take a step"):
         verify(prog)
+
+
+def test_a_weave_that_needs_no_child_to_finish_writes_nothing():
+    reg = Registers()
+    with pytest.raises(VerifyError, match="'x'"):
+        verify(SEQ([WEAVE(0, [CALL(toy.const, 1, store_to=reg("x"))]), CALL(toy.inc, reg("x"))]))

@@ -34,6 +34,8 @@ faster by more than ``margin``).  The decision shows in the element's header.
 
 from __future__ import annotations
 
+import keyword
+
 import queue
 import statistics
 import sys
@@ -83,7 +85,7 @@ def generate(el) -> "Generated":
             parts = [_src(a, f"c{i}_{j}", ns, var) for j, a in enumerate(call.args)]
             for j, (key, value) in enumerate(call.kwargs.items()):
                 name = f"c{i}_k{j}"
-                if key.isidentifier():
+                if key.isidentifier() and not keyword.iskeyword(key):
                     parts.append(f"{key}={_src(value, name, ns, var)}")
                 else:
                     ns[name + "_key"] = key
