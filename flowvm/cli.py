@@ -110,7 +110,8 @@ def parse_sets(pairs: list[str], build) -> dict[str, Any]:
     """``name=value`` pairs as build() options; values are Python literals, else strings.
 
     A value must suit the option's default: an int option takes an int, a
-    float option an int or a float, a str option any text.
+    float option an int or a float, a str option any text (quoted or not:
+    ``optimizer=sgd`` and ``optimizer="'sgd'"`` are the same).
     """
     params = inspect.signature(build).parameters
     options = {}
@@ -135,7 +136,7 @@ def parse_sets(pairs: list[str], build) -> dict[str, Any]:
                 raise SystemExit(f"flowvm: option {name!r} takes a number (default {default}), got {text!r}")
             value = float(value)
         elif isinstance(default, str):
-            value = text
+            value = value if isinstance(value, str) else text  # 'adam' (a quoted literal) or adam
         options[name] = value
     return options
 

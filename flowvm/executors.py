@@ -47,6 +47,7 @@ from .registers import Registers
 
 _lock = threading.RLock()
 _pool = None  # the default pool, created on first use
+_pool_pid = None  # the process that created it: a forked child must leave it alone
 _exit_hook_installed = False
 _retired: list = []  # former default pools still running abandoned fragments (killed at exit)
 _named: dict[str, Any] = {}
@@ -96,7 +97,7 @@ def default_workers() -> int:
 
 def default_executor():
     """The shared local process pool that SPAWNs without an executor use (created on first call)."""
-    global _pool, _exit_hook_installed
+    global _pool, _pool_pid, _exit_hook_installed
     with _lock:
         if _pool is None:
             import multiprocessing
@@ -106,6 +107,7 @@ def default_executor():
             ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
             _pool = ProcessPoolExecutor(max_workers=default_workers(), mp_context=ctx,
                                         initializer=worker_setup, initargs=(os.getpid(),))
+            _pool_pid = os.getpid()
             if not _exit_hook_installed:
                 # concurrent.futures joins its pools before atexit callbacks run, waiting for
                 # running work; this hook must run first, so it registers the same way, later.
@@ -166,6 +168,9 @@ def shutdown_default_executor(kill: bool = False) -> None:
     waits for a fragment to finish.
     """
     global _pool
+    if _pool_pid is not None and os.getpid() != _pool_pid:
+        _forget_in_child()  # a forked child exiting: the pool and its workers are its parent's
+        return
     with _lock:
         pool, _pool = _pool, None
         retired = list(_retired) if kill else []
@@ -187,6 +192,18 @@ def shutdown_default_executor(kill: bool = False) -> None:
         # With its workers gone the pool's manager thread ends at once; wait for
         # it, so that concurrent.futures' own exit hook finds the pool closed.
         manager.join(timeout=5)
+
+
+def _forget_in_child() -> None:
+    """In a forked child: the default pool belongs to the parent; a SPAWN here makes the child its own."""
+    global _pool, _pool_pid, _lock
+    _pool = _pool_pid = None
+    _retired.clear()
+    _lock = threading.RLock()  # the parent's may have been held by another thread at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _kill_pool(pool) -> None:

@@ -131,14 +131,18 @@ class POPEN(Element):
     def __init__(self, args: Any, store_to: Register | None = None, cwd: Any = None, env: Any = None,
                  check: bool = False, capture: bool = False, text: bool = True, timeout: float | None = None):
         if isinstance(args, str):
-            args = shlex.split(args)
+            try:
+                args = shlex.split(args)
+            except ValueError as err:
+                raise ValueError(f"POPEN: cannot split the command {args!r:.80} like a shell would ({err}); "
+                                 "give a list of arguments instead") from None
         if isinstance(args, Register) or not isinstance(args, (list, tuple)):
             raise TypeError(f"POPEN: args must be a list of arguments or a command string, "
                             f"got {type(args).__name__} {args!r:.60}")
         if not args:
             raise ValueError("POPEN: args is empty; the first argument is the program to run")
         for i, a in enumerate(args):
-            if not isinstance(a, (str, bytes, os.PathLike, numbers.Number, Register)):
+            if isinstance(a, bool) or not isinstance(a, (str, bytes, os.PathLike, numbers.Number, Register)):
                 raise TypeError(f"POPEN: argument {i} must be a str, path, number or Register, "
                                 f"got {type(a).__name__} {a!r:.60}")
         if env is not None and not isinstance(env, (dict, Register)):

@@ -117,6 +117,7 @@ def test_parse_sets_converts_to_the_default_type():
         parse_sets(["flag=1"], build)
     with pytest.raises(SystemExit, match="'lr' takes a number"):
         parse_sets(["lr=fast"], build)
+    assert parse_sets(["name='adam'"], build) == parse_sets(["name=adam"], build) == {"name": "adam"}
 
 
 def test_unknown_targets_and_missing_files_are_named(tmp_path):

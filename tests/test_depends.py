@@ -186,3 +186,25 @@ def test_optimizing_keeps_the_overrides_of_sub_programs():
     flowvm.optimize(prog).run()
     assert (reg["dev"], reg["other"]) == ("cpu", "cuda:0")
 
+
+
+def test_fusing_torch_calls_keeps_the_overrides_and_namespace_of_their_seq():
+    import torch
+
+    def show(v):
+        return v
+
+    def provider():
+        return "orig"
+
+    reg = Registers(x=torch.ones(2))
+    sub = SEQ([CALL(torch.add, reg("x"), 2.0, store_to=reg("y")), CALL(torch.relu, reg("y"), store_to=reg("z")),
+               CALL(show, Depends(provider), store_to=reg("w"))])
+    sub.dependency_overrides[provider] = lambda: "override"
+    prog = SEQ([CALL(show, 1, store_to=reg("a")), sub])
+    fast = flowvm.optimize(prog, options={"fuse-torch": {"form": "eager"}})
+    assert "FUSED" in str(fast)
+    fast.run()
+    assert reg["w"] == "override"
+    marked = flowvm.optimize(SEQ([sub.isolate("n"), CALL(show, 2)]), options={"fuse-torch": {"form": "eager"}})
+    assert "FUSED" in str(marked) and marked.elements[0].scope is not None

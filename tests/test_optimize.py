@@ -127,6 +127,17 @@ def test_debug_verifies_after_every_pass_and_names_the_pass_that_broke_the_progr
     assert ">>     z = twice(y)  # here" in str(err)
 
 
+def test_debug_catches_a_pass_that_edits_its_input_in_place():
+    reg = Registers(x=1)
+    prog = SEQ([flowvm.PRINT("hi"), CALL(inc, reg("x"), store_to=reg("y"))])
+
+    def drop_prints(program):
+        return program.find(flowvm.PRINT).remove()  # edits in place: wrong for a pass
+
+    with pytest.raises(PassError, match="pass 'drop_prints' changed the program it was given in place"):
+        optimize(prog, passes=[drop_prints], debug=True)
+
+
 def test_debug_also_checks_the_input_and_what_a_pass_returns():
     reg = Registers()
     with pytest.raises(PassError, match="the program given to optimize does not verify") as info:
@@ -264,6 +275,10 @@ def test_a_register_count_of_zero_gives_an_empty_buffer_without_calling_the_sour
     src = Counter()
     fast = batch_buffers(BUFFER(reg("n"), CALL(src.next), store_to=reg("xs")))
     assert fast.run() == [] and src.batch_calls == 0 and src.i == 0
+    for bad, error in ((2.0, TypeError), (-1, ValueError)):  # checked as BUFFER checks its count
+        reg["n"] = bad
+        with pytest.raises(error, match="BUFFER count holds .*expected an int >= 0"):
+            fast.run()
 
 
 def test_the_pca_program_gives_the_same_components_after_optimizing():

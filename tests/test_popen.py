@@ -158,6 +158,7 @@ def test_timeout_kills_the_command():
 
 @pytest.mark.parametrize("args, error", [
     (42, TypeError), ([], ValueError), ([PY, object()], TypeError), (Registers()("x"), TypeError),
+    (["echo", True], TypeError), ('echo "unterminated', ValueError),
 ])
 def test_bad_arguments_are_rejected_when_built(args, error):
     with pytest.raises(error, match="POPEN"):

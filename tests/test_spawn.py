@@ -295,6 +295,22 @@ def test_a_parent_killed_outright_leaves_no_worker_behind(tmp_path):
     assert not alive, f"worker {worker.pid} outlived its parent"
 
 
+def _noop():
+    pass
+
+
+def test_a_forked_child_exiting_leaves_the_default_pool_alone():
+    """Data loaders and user pools fork: the child inherits the pool's exit hooks, which must not fire."""
+    assert SPAWN(CALL(os.getpid)).run() > 0
+    pool = default_executor()
+    child = multiprocessing.get_context("fork").Process(target=_noop)
+    child.start()
+    child.join()
+    with cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as ex:
+        assert SPAWN(CALL(add, 1, 2), executor=ex).run() == 3
+    assert default_executor() is pool and SPAWN(CALL(add, 2, 2)).run() == 4
+
+
 def test_a_killed_worker_of_a_user_pool_is_a_clear_error():
     with cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as ex:
         with pytest.raises(SpawnError, match="died"):

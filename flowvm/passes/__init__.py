@@ -217,6 +217,7 @@ def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool 
             merged = {**dict((options or {}).get(p.name, {})), **opts}
             ctx.pass_name = p.name
             _check_options(p, merged)
+            before = str(current) if debug else None
             try:
                 new = p.run(current, **merged)
             except Exception as err:
@@ -225,6 +226,9 @@ def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool 
             if not isinstance(new, Element):
                 raise PassError(f"pass {p.name!r} returned {type(new).__name__}, not a flowvm program", p.name)
             if debug:
+                if str(current) != before:
+                    raise PassError(f"pass {p.name!r} changed the program it was given in place; a pass must "
+                                    "return a new program (edit a copy: copy.copy(program).find(...))", p.name)
                 _verify(new, p.name, f"pass {p.name!r} produced a program that does not verify")
             current = new
         return current

@@ -33,6 +33,8 @@ xs = Counter.next_batch(3)
 
 from __future__ import annotations
 
+import numbers
+
 import types
 from typing import Any, Callable
 
@@ -55,8 +57,12 @@ def batch_method(fn: Callable) -> Callable | None:
 
 
 def batch_or_empty(method: Callable, n: int, *args: Any, **kwargs: Any) -> Any:
-    """``method(n, ...)``, or ``[]`` (BUFFER's value for no items) when n is 0."""
-    return [] if n == 0 else method(n, *args, **kwargs)
+    """``method(n, ...)``, or ``[]`` (BUFFER's value for no items) when n is 0; n checked as BUFFER checks it."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"BUFFER count holds {type(n).__name__} {n!r:.60}, expected an int >= 0")
+    if n < 0:
+        raise ValueError(f"BUFFER count holds {n}, expected an int >= 0")
+    return [] if n == 0 else method(int(n), *args, **kwargs)
 
 
 def _visit(el: Element, path) -> Element:

@@ -44,7 +44,7 @@ from ..paths import format_path
 from ..registers import Register, iter_registers
 from . import current_context, register_pass
 from .fused_runtime import FusionWarning, Runtime, is_barrier
-from .rewrite import rewrite
+from .rewrite import rebuild, rewrite
 
 __all__ = ["FUSED", "FuseSettings", "FusionWarning", "fusable", "is_fusable", "fuse_torch", "fused_step", "set_form"]
 
@@ -333,7 +333,8 @@ def _fuse_seq(el: SEQ, path: tuple[int, ...], settings: FuseSettings, ctx) -> El
     flush()
     if len(out) == len(el.elements):
         return el
-    return out[0] if len(out) == 1 else SEQ(out)
+    plain = el.scope is None and not el.__dict__.get("_overrides")  # else keep the SEQ and what it means
+    return out[0] if len(out) == 1 and plain else rebuild(el, out)
 
 
 @register_pass("fuse-torch", default=True)
