@@ -85,6 +85,8 @@ def _check_reads(el: Element, path: tuple, before: frozenset, program: Element) 
 def _check(el: Element, path: tuple, before: frozenset, program: Element) -> frozenset:
     """Check el given the registers that may be written before it; return those after it."""
     if el.is_leaf:
+        for i, child in enumerate(el.children):  # a leaf running a fragment (SPAWN): name the reader in it
+            _check(child, path + (i,), before, program)
         _check_reads(el, path, before, program)
         return before | {r.name for r in el.own_writes()}
     if isinstance(el, SEQ):

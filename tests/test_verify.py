@@ -88,3 +88,12 @@ def test_a_weave_that_needs_no_child_to_finish_writes_nothing():
     reg = Registers()
     with pytest.raises(VerifyError, match="'x'"):
         verify(SEQ([WEAVE(0, [CALL(toy.const, 1, store_to=reg("x"))]), CALL(toy.inc, reg("x"))]))
+
+
+def test_a_read_inside_a_spawned_fragment_is_reported_at_the_reader():
+    from flowvm import SPAWN
+
+    reg = Registers()
+    with pytest.raises(VerifyError, match=r"read by CALL inc\(missing\)") as err:
+        verify(SEQ([CALL(toy.const, 1), SPAWN(SEQ([CALL(toy.const, 2), CALL(toy.inc, reg("missing"))]))]))
+    assert err.value.path == "1.0.1" and err.value.register == "missing"
