@@ -33,6 +33,9 @@ import struct
 import sys
 import tempfile
 import time
+import types
+import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +88,13 @@ def _key_bytes(key: bytes | str | None) -> bytes | None:
 
 
 def global_generator(name: str) -> Any:
-    """The process-wide generator object named name ("random" or "numpy")."""
+    """The process-wide generator object named name ("random", "numpy" or "torch")."""
     if name == "random":
         return random._inst
+    if name == "torch":
+        import torch
+
+        return torch.default_generator
     import numpy as np
 
     return np.random.mtrand._rand
@@ -99,6 +106,9 @@ def _global_generator_name(obj: Any) -> str | None:
     np = sys.modules.get("numpy")
     if np is not None and obj is np.random.mtrand._rand:
         return "numpy"
+    torch = sys.modules.get("torch")
+    if torch is not None and obj is torch.default_generator:
+        return "torch"
     return None
 
 
@@ -174,11 +184,17 @@ def _rule_for(t: type):
         return lambda drv: (rebuild_driver, (drv.__getstate__(),))
     if issubclass(t, random.Random) or (t.__module__ or "").startswith("numpy.random"):
         return _reduce_generator
+    if t is types.FunctionType:
+        return _reduce_patched_method
     torch = sys.modules.get("torch")
     if torch is not None and issubclass(t, torch.Tensor):
         return _reduce_tensor
+    if torch is not None and t is torch.Generator:
+        return _reduce_generator
     if torch is not None and issubclass(t, torch.optim.LBFGS):
         return _reduce_lbfgs
+    if torch is not None and issubclass(t, torch.optim.Optimizer):
+        return _reduce_optimizer
     return None
 
 
@@ -191,8 +207,46 @@ def _reduce_generator(obj):
 
 
 def _reduce_tensor(obj):
+    if getattr(obj, "_backward_hooks", None) or getattr(obj, "_post_accumulate_grad_hooks", None):
+        _warn_dropped("gradient hooks registered on a tensor (Tensor.register_hook and the like)")
     if obj.is_leaf and obj.grad is not None:
         return with_grad, (_WithoutGrad(obj), obj.grad)
+    return NotImplemented
+
+
+def _reduce_optimizer(obj):
+    if any(getattr(obj, name, None) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")):
+        _warn_dropped("step hooks registered on an optimizer (register_step_pre_hook/post_hook)")
+    return NotImplemented
+
+
+def _warn_dropped(what: str) -> None:
+    warnings.warn(f"flowvm: a copy of this run leaves out the {what}: torch does not pickle them, so the "
+                  "copy would run without them. Register such hooks in a CALL of the program (so that "
+                  "the copy runs it too), or keep the run in this process.", CopyWarning, stacklevel=2)
+
+
+class CopyWarning(UserWarning):
+    """A copy of a run (pickle, checkpoint) leaves out something the run uses."""
+
+
+def _reduce_patched_method(fn):
+    """A method that a library patched onto an optimizer (an LR scheduler wraps ``opt.step`` in a closure
+    holding a weak reference): written as the optimizer's method, which pickles."""
+    if getattr(fn, "__wrapped__", None) is None or not fn.__closure__:
+        return NotImplemented
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return NotImplemented
+    for cell in fn.__closure__:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, weakref.ref):
+            owner = value()
+            if isinstance(owner, torch.optim.Optimizer) and owner.__dict__.get(fn.__name__) is fn:
+                return getattr, (owner, fn.__name__)
     return NotImplemented
 
 

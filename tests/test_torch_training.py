@@ -100,3 +100,63 @@ def test_standard_pickle_of_a_half_run_training_loop_resumes_in_a_fresh_process(
     assert same(got["registers"]["loss"], exp["registers"]["loss"])
     # the standard-pickle copy, finished here after restoring the random state at step 12, agrees too
     assert pickle.loads(blob.read_bytes()).steps == 12
+
+
+def test_torch_default_generator_passed_explicitly_stays_the_global_one():
+    from flowvm.checkpoint import capture_rng, restore_rng
+
+    def build():
+        torch.manual_seed(0)
+        reg = Registers()
+        return REPEAT(4, SEQ([CALL(torch.rand, 2, generator=torch.default_generator, store_to=reg("a")),
+                              CALL(torch.rand, 2, store_to=reg("b"))]))
+
+    straight = build().start()
+    straight.run()
+    for cut in range(1, 8):
+        drv = build().start()
+        drv.run(max_steps=cut)
+        state = capture_rng()
+        copy_ = pickle.loads(pickle.dumps(drv))
+        restore_rng(state)
+        copy_.run()
+        assert torch.equal(copy_.registers["a"], straight.registers["a"]), cut
+        assert torch.equal(copy_.registers["b"], straight.registers["b"]), cut
+
+
+def test_a_run_with_an_lr_scheduler_saves_and_resumes_and_dropped_hooks_are_warned_about(tmp_path):
+    import warnings
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)  # wraps opt.step before the CALL takes it
+        reg = Registers(x=torch.ones(4, 3))
+
+        def loss(x):
+            out = model(x).pow(2).mean()
+            out.backward()
+            return out.detach()
+
+        return REPEAT(3, SEQ([CALL(opt.zero_grad), CALL(loss, reg("x"), store_to=reg("loss")), CALL(opt.step),
+                              CALL(sched.step)])), model
+
+    prog, model = build()
+    prog.run()
+    expected = model.weight.detach().clone()
+    prog, _ = build()
+    drv = prog.start()
+    drv.run(max_steps=5)
+    flowvm.save(drv, tmp_path / "sched.ckpt")
+    loaded = flowvm.load(tmp_path / "sched.ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch notes that the copy's optimizer.step is not wrapped any more
+        loaded.run()
+    weight = loaded.program.body.elements[2].fn.__self__.param_groups[0]["params"][0]
+    assert torch.equal(weight.detach(), expected)
+
+    hooked = torch.nn.Linear(2, 1)
+    hooked.weight.register_hook(lambda g: g * 0)
+    with pytest.warns(flowvm.checkpoint.CopyWarning, match="gradient hooks registered on a tensor"):
+        pickle.dumps(CALL(hooked).start())
