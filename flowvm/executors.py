@@ -180,18 +180,9 @@ def shutdown_default_executor(kill: bool = False) -> None:
     if pool is None:
         return
     if kill:
-        # ProcessPoolExecutor has no public way to stop running work before Python 3.14.
-        for proc in list((getattr(pool, "_processes", None) or {}).values()):
-            try:
-                proc.kill()
-            except Exception:  # pragma: no cover - already gone
-                pass
-    manager = getattr(pool, "_executor_manager_thread", None)
-    pool.shutdown(wait=not kill, cancel_futures=True)
-    if kill and manager is not None:
-        # With its workers gone the pool's manager thread ends at once; wait for
-        # it, so that concurrent.futures' own exit hook finds the pool closed.
-        manager.join(timeout=5)
+        _kill_pool(pool)
+    else:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _forget_in_child() -> None:
@@ -207,6 +198,12 @@ if hasattr(os, "register_at_fork"):
 
 
 def _kill_pool(pool) -> None:
+    """Kill a process pool's workers, running fragments included, and close it.
+
+    ProcessPoolExecutor has no public way to stop running work before Python 3.14.
+    With its workers gone the pool's manager thread ends at once; it is waited
+    for, so that concurrent.futures' own exit hook finds the pool closed.
+    """
     for proc in list((getattr(pool, "_processes", None) or {}).values()):
         try:
             proc.kill()
