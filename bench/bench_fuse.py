@@ -18,7 +18,8 @@ Variants: flowvm interpreted eager (the program as written), flowvm optimized (`
 with its defaults: compile in the background, time both forms, keep the faster), a hand-written
 eager Python function, a hand-written ``torch.compile``d function (for training: the forward and
 loss compiled, backward and step eager, as the fused step does).  For the optimized variant it also
-reports the compile time, the wall time until the decision, the decision, and both forms' times.
+reports the compile time, how long the program paused while the compile traced (the rest compiles in
+the background), the wall time until the decision, the decision, and both forms' times.
 
 Per-iteration times are the best of ``5 x --repeats`` samples of ``iterations / 5`` iterations each;
 the samples interleave the variants so that machine load hits them alike.  Figures are reported, never asserted.  Results: bench/results/fuse.json.
@@ -175,6 +176,7 @@ def settle(case: dict, fast, limit_s: float) -> dict:
         "decide_s": time.perf_counter() - start,
         "steps_until_decided": iterations,
         "compile_s": [round(s, 2) for rt in rts for s in rt.compile_seconds],
+        "paused_s": [round(s, 3) for rt in rts for s in rt.paused_seconds],
         "decisions": [rt.status() for rt in rts],
         "measured_us": [None if rt.measured is None else [round(v * 1e6, 2) for v in rt.measured] for rt in rts],
     }
@@ -284,11 +286,12 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{name}: done in {row['wall_s']:.1f} s", file=sys.stderr, flush=True)
     cols = ["interpreted eager", "optimized", "hand eager", "hand compiled"]
-    print(f"\n{'case':<22}" + "".join(f"{c:>19}" for c in cols) + f"{'opt compile s':>15}{'decided after s':>17}  decision")
+    print(f"\n{'case':<22}" + "".join(f"{c:>19}" for c in cols) + f"{'opt compile s':>15}{'paused s':>10}{'decided after s':>17}  decision")
     for row in rows:
         t = row["us_per_iteration"]
         print(f"{row['case']:<22}" + "".join(f"{t[c]:>16.1f} µs" for c in cols)
-              + f"{max(row['compile_s'] or [0]):>15.1f}{row['decide_s']:>17.1f}  {'; '.join(row['decisions'])}")
+              + f"{max(row['compile_s'] or [0]):>15.1f}{sum(row['paused_s']):>10.2f}{row['decide_s']:>17.1f}"
+              + f"  {'; '.join(row['decisions'])}")
     print(f"\n{'case':<22}{'hand compile s':>16}{'fused eager':>16}{'fused compiled':>16}  target")
     for row in rows:
         f = row["forced_forms_us"]

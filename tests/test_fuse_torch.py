@@ -494,6 +494,37 @@ def test_inductor_training_step_matches_with_autograd_through_the_fused_forward(
     assert torch.equal(rng, rng_ref)
 
 
+def test_a_background_compile_reads_no_gradient_while_the_program_runs(inductor_training, monkeypatch):
+    """Dynamo and AOTAutograd read each real tensor's .grad, which a backward pass in the program writes
+    without holding the GIL; the program waits until they are done (the rest compiles on fake tensors).
+    (inductor_training compiles the same graphs first: this compile finds them in inductor's disk cache.)"""
+    import threading
+    import time
+
+    import torch._subclasses.meta_utils as meta_utils
+
+    torch.manual_seed(5)
+    fast = optimize(build_training(), options={"fuse-torch": {"form": "compiled"}})
+    rt = fast.elements[0].body.elements[1].runtime()
+    reads = {"while paused": 0, "while running": 0}
+    original = meta_utils.safe_grad
+
+    def safe_grad(t):
+        if threading.current_thread().name == "flowvm-compile" and t.requires_grad:
+            reads["while running" if rt._traced.is_set() else "while paused"] += 1
+        return original(t)
+
+    monkeypatch.setattr(meta_utils, "safe_grad", safe_grad)
+    drv = fast.start()
+    deadline = time.time() + 120
+    while (rt.compiles == 0 or rt._job_running) and time.time() < deadline:
+        drv.run(max_steps=1)  # the first fused execution starts the compile (after the compiler is imported)
+        if drv.done:
+            drv = fast.start()
+    assert rt.compiles == 1 and rt.error is None and len(rt.paused_seconds) == 1
+    assert reads["while paused"] > 0 and reads["while running"] == 0, reads
+
+
 def test_a_half_run_compiled_driver_pickles_without_its_compiled_code_and_resumes(inductor_training):
     import pickle
 

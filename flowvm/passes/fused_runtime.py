@@ -206,28 +206,72 @@ def leaf_source(el, rt_name: str = "rt") -> str:
 
 
 # ---------------------------------------------------------- background worker
+# One daemon thread runs compile jobs, one at a time (dynamo compiles one frame at a time anyway).
+# A job that traces starts only when the thread is free, and the thread that started it waits
+# until dynamo has finished reading the real tensors (see Runtime._start_compile).
 _jobs: "queue.Queue[Callable[[], None]]" = queue.Queue()
 _worker: threading.Thread | None = None
 _worker_lock = threading.Lock()
+_busy = 0                                  # jobs submitted and not finished
+_imported: set[str] = set()                # compiler modules imported (by the worker or the program)
+_import_queued: set[str] = set()
 
 
 def _work() -> None:
+    global _busy
     while True:
         job = _jobs.get()
         try:
             job()
         except BaseException:  # pragma: no cover - a job records its own errors
             pass
+        finally:
+            with _worker_lock:
+                _busy -= 1
 
 
-def _submit(job: Callable[[], None]) -> None:
-    """Run job on the one compile thread (a daemon: a short run never waits for it at exit)."""
-    global _worker
+def _submit(job: Callable[[], None], only_if_free: bool = False) -> bool:
+    """Run job on the compile thread (a daemon: a short run never waits for it at exit); with
+    only_if_free, only when no other job is queued or running.  Whether it was submitted."""
+    global _worker, _busy
     with _worker_lock:
+        if only_if_free and _busy:
+            return False
         if _worker is None or not _worker.is_alive():
             _worker = threading.Thread(target=_work, name="flowvm-compile", daemon=True)
             _worker.start()
-    _jobs.put(job)
+        _busy += 1
+        _jobs.put(job)
+    return True
+
+
+def _modules(backend: Any) -> tuple[str, ...]:
+    """The compiler modules a compile for this backend imports (seconds, the first time)."""
+    return ("torch._dynamo", "torch._inductor.compile_fx") if backend == "inductor" else ("torch._dynamo",)
+
+
+def _compiler_ready(names: tuple[str, ...]) -> bool:
+    """Whether these modules are imported; if not, the compile thread imports them (queued once)."""
+    if all(n in _imported for n in names):
+        return True
+    if not _import_queued.intersection(names) and all(n in sys.modules for n in names):
+        _imported.update(names)  # imported by the program itself
+        return True
+    todo = [n for n in names if n not in _imported and n not in _import_queued]
+    if todo:
+        def job():
+            import importlib
+
+            for n in todo:
+                try:
+                    importlib.import_module(n)
+                except Exception:  # the compile job itself reports it
+                    pass
+                _imported.add(n)
+
+        _import_queued.update(todo)
+        _submit(job)
+    return False
 
 
 # ------------------------------------------------------------------ runtime
@@ -243,12 +287,15 @@ class Runtime:
         self.hits = 0                   # executions that entered compiled code
         self.compiles = 0               # compile jobs started
         self.compile_seconds: list[float] = []
+        self.paused_seconds: list[float] = []  # how long the program waited for each trace (background)
         self.error: BaseException | None = None
         self.state = "eager" if self.settings.form == "eager" or gen.head is None else "new"
         self.decision = ""              # why the current form, for the header
         self.periods: dict[str, list[float]] = {"eager": [], "compiled": []}
         self._job_running = False
         self._job_done = False
+        self._waiting = False           # a compile to start once the compile thread is free
+        self._traced = threading.Event()  # set once the running job's tracing is over
         self._last: tuple[float, str] | None = None
         self.measured: tuple[float, float] | None = None  # (compiled, eager) median periods, seconds
         self.trials_done = 0
@@ -318,6 +365,8 @@ class Runtime:
         return self.eager(*args)
 
     def _warming(self, *args):
+        if self._waiting:
+            self._start_compile(args)
         if self._job_done:
             return self._after_compile()(*args)
         return self.eager(*args)
@@ -464,15 +513,23 @@ class Runtime:
     def _start_compile(self, args) -> None:
         """Compile the head for these inputs, in the background thread unless settings say otherwise.
 
-        Everything slow (importing dynamo, tracing, compiling) happens in the job; the main thread
-        only reads the thread-local modes the compiled code must match."""
-        self.compiles += 1
+        Dynamo reads the real tensors while it traces (their shapes, their ``.grad``), and the
+        autograd engine writes ``.grad`` without holding the GIL: tracing while the program goes on
+        can crash the interpreter.  So a background compile starts only when the compile thread is
+        free and its compiler modules are imported (else ``_waiting``: the next execution tries
+        again), and the calling thread waits until tracing is over (dynamo hands the graph to the
+        backend): a fraction of a second for a small step.  Lowering and compiling the graph, the
+        slow part, works on fake tensors and runs while the program goes on."""
         try:
             import torch
         except ImportError as err:  # a function marked fusable, and no torch to compile it with
+            self.compiles += 1
             self.error, self._job_done = err, True
             return
-        self._job_running = True
+        background = self.settings.background
+        self._waiting = background
+        if background and not _compiler_ready(_modules(self.settings.backend)):
+            return
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         pos = self.generated.head_positions
         if pos is not None:
@@ -501,25 +558,46 @@ class Runtime:
                 self.compile_seconds.append(time.perf_counter() - start)
                 self._job_running = False
                 self._job_done = True
+                self._traced.set()
 
-        if self.settings.background:
-            _submit(job)
-        else:
+        self.compiles += 1
+        self._waiting, self._job_running = False, True
+        self._traced.clear()
+        if not background:
             job()
+        elif _submit(job, only_if_free=True):
+            t0 = time.perf_counter()
+            self._traced.wait()
+            self.paused_seconds.append(time.perf_counter() - t0)
+        else:  # another compile took the thread first: try again at the next execution
+            self.compiles -= 1
+            self._waiting, self._job_running = True, False
 
     def _backend(self) -> Callable:
+        """The backend given to torch.compile: the settings' backend, telling ``_traced`` when the
+        real tensors have been read (see _start_compile), stopping the warm-up call before it runs
+        anything, and counting the calls that enter the compiled code."""
         import torch
 
         s = self.settings
+        runtime = self
+        traced_at_entry = True  # a backend given the graph reads no more real tensors ("eager", most callables)
         if callable(s.backend):
             inner = s.backend
         elif s.backend == "inductor":
-            inner = torch._TorchCompileInductorWrapper(s.mode, dict(s.options), s.dynamic)
+            inner = _inductor_after_tracing(s, self._traced)
         else:
             inner = torch._dynamo.lookup_backend(s.backend)
-        runtime = self
+        from torch._dynamo.backends.common import AotAutograd
+
+        if s.backend == "inductor" or isinstance(inner, AotAutograd):
+            # AOTAutograd reads the real inputs again (their .grad too) before compiling: inductor
+            # tells when that is over; for other AOT backends the program waits for the whole compile
+            traced_at_entry = False
 
         def flowvm_backend(gm, example_inputs):
+            if traced_at_entry:
+                runtime._traced.set()
             patch = getattr(torch._functorch.config, "force_non_lazy_backward_lowering", None)
             if patch is not None:  # compile the backward now, not on the first backward() in the main thread
                 with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
@@ -561,6 +639,30 @@ class Runtime:
         if self.state == "compiled" and self.decision == "forced":
             return "compiled (forced)"
         return self.decision
+
+
+def _inductor_after_tracing(s, traced: threading.Event) -> Callable:
+    """Inductor as torch.compile runs it (``mode``, ``options``, ``dynamic``), setting ``traced``
+    when AOTAutograd hands its first graph (on fake tensors) to inductor's inner compiler."""
+    import inspect
+
+    import torch
+    from torch._inductor import compile_fx as cfx
+
+    wrapper = torch._TorchCompileInductorWrapper(s.mode, dict(s.options), s.dynamic)
+    extra = {}
+    if "compile_region_name" in inspect.signature(cfx.compile_fx).parameters:
+        extra["compile_region_name"] = getattr(wrapper, "name", None)
+
+    def inner_compile(*args, **kwargs):
+        traced.set()
+        return cfx.compile_fx_inner(*args, **kwargs)
+
+    def inductor(gm, example_inputs):
+        return cfx.compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=dict(wrapper.config),
+                              **extra)
+
+    return inductor
 
 
 def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
