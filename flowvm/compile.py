@@ -1,6 +1,7 @@
-"""Turn a leaf element into a fast zero-argument Python function.
+"""Turn a simple leaf element into a fast zero-argument Python function.
 
-The driver calls leaves through these closures.  They are caches: stored on
+The driver calls simple leaves (CALL, PRINT, and other kinds that set
+``simple_leaf`` and define ``leaf_for(registers)``) through these closures.  They are caches: stored on
 the element under a ``_c_`` name, keyed by the register file they read, never
 pickled, and rebuilt on first use after loading.
 """
@@ -16,7 +17,7 @@ from .registers import Register, has_registers, resolve
 
 
 def leaf_function(el: Element, regs: dict) -> Callable[[], Any]:
-    """The compiled form of a CALL or PRINT, bound to the register file regs."""
+    """The compiled form of a simple leaf (a CALL, a PRINT, a fused step), bound to the register file regs."""
     cached = el.__dict__.get("_c_leaf")
     if cached is not None and cached[0] is regs:
         return cached[1]
@@ -55,7 +56,9 @@ def _build(el: Element, regs: dict) -> Callable[[], Any]:
         ns["objs"] = el.objs
         ns["sep"] = el.sep
         src = "def leaf():\n    print(*resolve(objs, R), sep=sep)\n"
+    elif el.simple_leaf:
+        return el.leaf_for(regs)
     else:  # pragma: no cover - guarded by the driver
-        raise TypeError(f"{el.kind} is not a leaf element")
+        raise TypeError(f"{el.kind} is not a simple leaf element")
     exec(compile(src, f"<flowvm {el.kind}>", "exec"), ns)
     return ns["leaf"]

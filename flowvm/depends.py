@@ -270,6 +270,8 @@ class DependsCALL(CALL):
     pickles like any CALL.
     """
 
+    simple_leaf = False  # it reads the driver's overrides and stack
+
     def bind(self, drv: Driver, frame: list) -> Callable[[], Any]:
         factory = self._cached("depends_leaf", lambda: _factory(self))
         regs = drv.registers

@@ -10,9 +10,10 @@ State of a run (all plain data, so a half-run driver pickles and copies):
 - WEAVE frames hold the paused frames of their inactive children as
   *segments*; the active child's frames sit on the main stack above the WEAVE.
 
-Leaves: CALL and PRINT run through closures compiled by compile.py.  Any
-other leaf kind (a fused torch step, POPEN, SPAWN) implements the *leaf
-protocol*: ``el.bind(driver, frame)`` returns a zero-argument function that
+Leaves: *simple* leaves (``simple_leaf``: CALL, PRINT, a fused torch step)
+run through closures made by compile.py that depend on the register file
+alone.  Any other leaf kind (POPEN, SPAWN, a CALL with Depends arguments)
+implements the *leaf protocol*: ``el.bind(driver, frame)`` returns a zero-argument function that
 the driver calls once per step; it returns the leaf's value when the leaf is
 finished, or ``PENDING`` when it only polled something still running (that
 poll counts as a step and the leaf stays on the stack).  Live handles a leaf
@@ -35,10 +36,10 @@ fails right after a successful leaf is retried (and raises) at the start of
 the next step, so that a step either runs one leaf or raises without running
 one.
 
-Fast paths (outside WEAVEs, for plain CALL and PRINT leaves) skip settling
-but leave exactly the frames settling would: a leaf repeated by its REPEAT
-(``_repeat_leaf``), a SEQ of plain leaves repeated by a REPEAT
-(``_repeat_seq``, run() only), and a leaf followed by a plain sibling in its
+Fast paths (outside WEAVEs, for simple leaves) skip settling but leave
+exactly the frames settling would: a leaf repeated by its REPEAT
+(``_repeat_leaf``), a SEQ of simple leaves repeated by a REPEAT
+(``_repeat_seq``, run() only), and a leaf followed by a simple sibling in its
 SEQ (``_after_leaf``).
 
 Frame layouts (index 0 is always the element):
@@ -60,7 +61,7 @@ from time import monotonic
 from typing import Any
 
 from .compile import leaf_function
-from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from .elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
 from .errors import FlowError, RegisterError, SwitchError
 from .idle import Idle as _Idle
 from .paths import format_path
@@ -345,7 +346,7 @@ class Driver:
                 return False
         stack = self._stack
         el = stack[-1][0]
-        if type(el) is CALL or type(el) is PRINT:
+        if type(el).simple_leaf:
             self._leaf = leaf_function(el, self.registers)
             if not self._weave and len(stack) > 1:
                 parent = stack[-2]
@@ -353,7 +354,7 @@ class Driver:
                 if kind is REPEAT:
                     self._fast = parent
                 elif kind is SEQ and len(stack) > 2 and type(stack[-3][0]) is REPEAT \
-                        and all(type(c) is CALL or type(c) is PRINT for c in parent[0].elements):
+                        and all(type(c).simple_leaf for c in parent[0].elements):
                     self._fastseq = (stack[-3], parent)
         else:
             self._leaf = el.bind(self, stack[-1])
@@ -434,7 +435,7 @@ class Driver:
                 pos = fr[1] + 1
                 if pos < len(elements):
                     nxt = elements[pos]
-                    if type(nxt) is CALL or type(nxt) is PRINT:
+                    if type(nxt).simple_leaf:
                         # what settling would do: the SEQ moves on (its children's values are dropped)
                         self.steps += 1
                         fr[1] = pos

@@ -25,6 +25,9 @@ class Element:
     kind: str = "ELEMENT"
     is_leaf: bool = False
     polls: bool = False  # a leaf whose steps may return PENDING (see driver.py)
+    simple_leaf: bool = False
+    """A leaf run by ``leaf_for(registers)`` alone: one step per call, never PENDING, nothing kept in its
+    frame or the driver; the driver runs such leaves on its fast paths (see driver.py)."""
     __slots__ = ("__dict__", "__weakref__")
 
     # -- immutability: elements are shared freely between programs and copies
@@ -169,6 +172,7 @@ class CALL(Element):
 
     kind = "CALL"
     is_leaf = True
+    simple_leaf = True
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # A CALL with a Depends argument is a DependsCALL, a leaf that resolves
@@ -197,6 +201,7 @@ class PRINT(Element):
 
     kind = "PRINT"
     is_leaf = True
+    simple_leaf = True
 
     def __init__(self, *objs: Any, sep: str = " "):
         if not isinstance(sep, str):

@@ -494,6 +494,30 @@ def test_inductor_training_step_matches_with_autograd_through_the_fused_forward(
     assert torch.equal(rng, rng_ref)
 
 
+@pytest.mark.parametrize("tail", [False, True])
+def test_a_fused_step_runs_on_the_drivers_fast_paths_with_the_same_steps_and_resume_points(tail):
+    from flowvm.testing import assert_same_run
+
+    def build(optimized=True):
+        torch.manual_seed(2)
+        reg = Registers(x=torch.randn(3), log=[])
+        calls = [CALL(torch.sin, reg("x"), store_to=reg("h")), CALL(torch.mul, reg("h"), 1.5, store_to=reg("x"))]
+        if tail:  # REPEAT(SEQ([FUSED, CALL])) rather than REPEAT(FUSED)
+            calls.append(CALL(list.append, reg("log"), reg("x")))
+        prog = REPEAT(7, SEQ(calls))
+        return optimize(prog, options={"fuse-torch": {"form": "eager"}}) if optimized else prog
+
+    plain = build(optimized=False).start()
+    plain.run()
+    drv = build().start()
+    drv.run(max_steps=3)
+    assert (drv._fastseq if tail else drv._fast) is not None  # the tight loop, not the general path
+    drv.run()
+    assert same(drv.registers["x"], plain.registers["x"]) and drv.steps == plain.steps - 7
+    assert same(drv.registers["log"], plain.registers["log"])
+    assert_same_run(build, cuts=[0, 1, 2, 3, 5, 8, 11], copiers=["pickle", "deepcopy"])
+
+
 def test_a_background_compile_reads_no_gradient_while_the_program_runs(inductor_training, monkeypatch):
     """Dynamo and AOTAutograd read each real tensor's .grad, which a backward pass in the program writes
     without holding the GIL; the program waits until they are done (the rest compiles on fake tensors).

@@ -232,8 +232,10 @@ class FUSED(Element):
         """The live state (functions, compiled code, timings): a cache, dropped when pickled."""
         return self._cached("runtime", lambda: Runtime(self))
 
-    def bind(self, driver, frame) -> Callable[[], Any]:
-        return self.runtime().leaf(driver.registers)
+    simple_leaf = True  # one step, never pending: the driver's fast paths run it
+
+    def leaf_for(self, regs: dict) -> Callable[[], Any]:
+        return self.runtime().leaf(regs)
 
     # -- printing
     def header_text(self) -> str:
