@@ -209,15 +209,45 @@ def test_an_inductor_compiled_chain_of_ten_ops_agrees_with_the_interpreted_progr
 
 
 def test_the_direct_compiled_form_is_only_for_plain_tensors_with_its_layouts():
-    from flowvm.passes.fused_runtime import Runtime, _direct_compile, _same_layouts
+    from flowvm.passes.fused_runtime import Runtime, _direct_compile
 
     x = torch.zeros(4, 3)
-    layouts = ((torch.Tensor, x.dtype, x.device, x.shape, x.stride()),)
-    assert _same_layouts(layouts, [torch.ones(4, 3)])
-    for other in (torch.ones(3, 4), torch.ones(4, 3, dtype=torch.float64), torch.ones(4, 3).t().contiguous().t(),
-                  torch.ones(4, 3, requires_grad=True), torch.nn.Parameter(torch.ones(4, 3)), x.numpy()):
-        assert not _same_layouts(layouts, [other]), other
-    assert not _same_layouts(layouts, [x, x])
+    reg = Registers(x=x)
+    rt = Runtime(fuse_torch(SEQ([CALL(torch.sin, reg("x"), store_to=reg("y")), CALL(torch.relu, reg("y"), store_to=reg("z"))]),
+                            form="compiled", **SYNC))
+    ran = []
+
+    def kernel(args):  # stands for inductor's graph: the head, computed eagerly
+        ran.append("direct")
+        return rt.generated.head(*args)
+
+    def dynamo_path(*args):
+        ran.append("dynamo")
+        return rt.generated.head(*args)
+
+    rt._direct = (((torch.Tensor, x.dtype, x.device, x.shape, x.stride()),), kernel, None)
+    rt._runonly = dynamo_path
+    rt.compiles = rt.settings.max_compiles  # no compile for the inputs the direct graph refuses
+    first = rt._install_direct()
+    for other in (torch.ones(4, 3), torch.ones(3, 4), torch.ones(4, 3, dtype=torch.float64),
+                  torch.ones(4, 3).t().contiguous().t(), torch.ones(4, 3, requires_grad=True),
+                  torch.nn.Parameter(torch.ones(4, 3)), torch.ones(4, 3)):
+        ran.clear()
+        y, z, last = rt._compiled_call(other)
+        assert ran == (["direct"] if type(other) is torch.Tensor and other.shape == (4, 3) and other.is_contiguous()
+                       and other.dtype == torch.float32 and not other.requires_grad else ["dynamo"]), other
+        assert same(z, torch.relu(torch.sin(other))) and last is z
+    assert rt.hits == 2 and rt._compiled_call is not first  # after one call through the graph's wrapper, its bare form
+
+    def broken(args):
+        raise RuntimeError("kernel failed")
+
+    from flowvm.passes.fused_runtime import _direct_caller
+
+    rt._compiled_call = _direct_caller(rt, broken, first=False)
+    with pytest.warns(FusionWarning, match="kernel failed"):
+        y, z, last = rt._compiled_call(torch.ones(4, 3))  # the graph failed: eager result, eager from now on
+    assert same(z, torch.relu(torch.sin(torch.ones(4, 3)))) and rt.state == "failed" and rt.current == rt.eager
 
     def runtime_of(calls, reg):
         fused = fuse_torch(SEQ(calls), form="compiled", **SYNC)

@@ -374,6 +374,7 @@ class Runtime:
     def _after_compile(self) -> Callable:
         """Pick what runs once a compile job finished."""
         self._job_done = False
+        self._install_direct()
         if self.error is not None:
             self.current = self._check_failure
         elif self.settings.form == "compiled":
@@ -405,23 +406,14 @@ class Runtime:
                                     f"eagerly from now on ({reason[:300]})"), stacklevel=4)
 
     def _compiled_call(self, *args):
+        """The compiled form through dynamo's guards (inputs they reject run eagerly and get a compile
+        of their own).  Once a direct graph exists, ``_install_direct`` shadows this method with a
+        generated function that calls the graph and falls back here for other inputs."""
+        if self._direct is not None and "_compiled_call" not in self.__dict__:
+            return self._install_direct()(*args)
         hits = self.hits
         gen = self.generated
         pos = gen.head_positions
-        direct = self._direct
-        if direct is not None:
-            head_args = args if pos is None else [args[k] for k in pos]
-            if _same_layouts(direct[0], head_args):
-                self.hits += 1
-                try:
-                    out = tuple(direct[1](list(head_args)))
-                    if direct[2] is not None:
-                        self._direct = (direct[0], direct[2], None)
-                except Exception as err:
-                    out = self.eager(*args)  # the compiled code failed; an eager error is the user's
-                    self._give_up(err)
-                    return out
-                return out if gen.tail is None else gen.tail(out, *args)
         try:
             out = self._runonly(*args) if pos is None else self._runonly(*[args[k] for k in pos])
         except Exception as err:
@@ -433,6 +425,19 @@ class Runtime:
         if self.hits == hits:
             self._missed(args)
         return out if gen.tail is None else gen.tail(out, *args)
+
+    def _install_direct(self) -> Callable:
+        """The compiled form to call: the direct graph's generated caller once there is a direct graph."""
+        if self._direct is not None and "_compiled_call" not in self.__dict__:
+            self._compiled_call = _direct_caller(self, self._direct[1], first=True)
+        return self._compiled_call
+
+    def _direct_failed(self, err: BaseException, *args):
+        """The direct graph raised: run these inputs eagerly (an eager error is the user's), and compile
+        no more."""
+        out = self.eager(*args)
+        self._give_up(err)
+        return out
 
     def _missed(self, args) -> None:
         """The compiled code's guards rejected these inputs and they ran eagerly: compile for them too."""
@@ -507,7 +512,7 @@ class Runtime:
         if self.error is not None:
             raise RuntimeError(f"force('compiled'): the compile failed: {self.error}") from self.error
         self._job_done = False
-        self.state, self.current, self.decision = "compiled", self._compiled_call, "compiled, forced at run time"
+        self.state, self.current, self.decision = "compiled", self._install_direct(), "compiled, forced at run time"
 
     # -- compiling
     def _start_compile(self, args) -> None:
@@ -725,19 +730,57 @@ def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
     return layouts, fn, call
 
 
+def _direct_caller(rt: Runtime, kernel: Callable, first: bool) -> Callable:
+    """The compiled form with a direct graph: ``Runtime._compiled_call`` specialised to it, generated
+    with the layout check unrolled (a small step's time is mostly such overhead).  Installed as the
+    runtime's ``_compiled_call``; inputs failing the check take the general method.  With first,
+    the graph's wrapper runs once and then its bare callable replaces it (see _direct_compile)."""
+    import torch
+
+    layouts = rt._direct[0]
+    gen = rt.generated
+    n = len(rt.el.inputs)
+    params = [f"a{k}" for k in range(n)]
+    head = params if gen.head_positions is None else [params[k] for k in gen.head_positions]
+    ns: dict[str, Any] = {"rt": rt, "kernel": kernel, "tail": gen.tail, "general": Runtime._compiled_call,
+                          "after_first": _after_first_direct_call}
+    checks = []
+    for k, (name, (cls, dtype, device, shape, stride)) in enumerate(zip(head, layouts)):
+        ns.update({f"c{k}": cls, f"d{k}": dtype, f"s{k}": shape, f"t{k}": stride, f"v{k}": device})
+        where = f"{name}.is_cpu" if device == torch.device("cpu") else f"{name}.device == v{k}"
+        checks.append(f"type({name}) is c{k} and {name}.dtype is d{k} and not {name}.requires_grad "
+                      f"and {name}.shape == s{k} and {name}.stride() == t{k} and {where}")
+    args = ", ".join(params)
+    result = "out" if gen.tail is None else f"tail(out, {args})"
+    lines = [
+        f"def compiled_call({args}):",
+        f"    if {' and '.join(checks) or 'True'}:",
+        "        rt.hits += 1",
+        "        try:",
+        f"            out = kernel([{', '.join(head)}])",
+        "        except Exception as err:",
+        f"            return rt._direct_failed(err, {args})",
+    ]
+    if first:
+        lines.append("        after_first(rt, compiled_call)")
+    lines += [f"        return {result}", f"    return general(rt, {args})"]
+    exec(compile("\n".join(lines) + "\n", f"<flowvm FUSED direct {id(rt.el):x}>", "exec"), ns)
+    return ns["compiled_call"]
+
+
+def _after_first_direct_call(rt: Runtime, old: Callable) -> None:
+    """After the graph's wrapper ran once: call its bare callable from now on (when it has one)."""
+    _, fn, bare = rt._direct
+    new = _direct_caller(rt, bare if bare is not None else fn, first=False)
+    rt._compiled_call = new
+    if rt.current is old:
+        rt.current = new
+    if rt._chosen is old:
+        rt._chosen = new
+
+
 def _barrier_index(calls) -> int:
     return next((i for i, c in enumerate(calls) if is_barrier(c.fn)), len(calls))
-
-
-def _same_layouts(layouts: tuple, args) -> bool:
-    """Whether args are plain tensors with these layouts, needing no gradient (the direct form's guard)."""
-    if len(args) != len(layouts):
-        return False
-    for a, (cls, dtype, device, shape, stride) in zip(args, layouts):
-        if (type(a) is not cls or a.requires_grad or a.dtype != dtype or a.shape != shape
-                or a.stride() != stride or a.device != device):
-            return False
-    return True
 
 
 def _run_only(fn: Callable) -> Callable:
