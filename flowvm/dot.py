@@ -27,6 +27,8 @@ digraph flowvm {
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from .elements import CALL, SEQ, SWITCH, WEAVE, WHILE, Element
@@ -145,7 +147,8 @@ def to_dot(target: Any, *, name: str = "flowvm", rankdir: str = "TB", label_limi
     """Graphviz DOT text for a program, or for a driver with its position highlighted."""
     program, drv = _split(target)
     states = frame_states(drv) if drv is not None else {}
-    out = [f"digraph {name} {{"]
+    graph_id = name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else _dot_quote(name)
+    out = [f"digraph {graph_id} {{"]
     if rankdir != "TB":
         out.append(f"  rankdir={rankdir};")
     if drv is not None:
@@ -203,7 +206,7 @@ def to_mermaid(target: Any, *, direction: str = "TD", label_limit: int = 60) -> 
     out = []
     if drv is not None:
         out.append("---")
-        out.append(f"title: {_mermaid_text('flowvm driver: ' + _title(drv))}")
+        out.append(f"title: {json.dumps('flowvm driver: ' + _title(drv))}")  # YAML: a quoted scalar
         out.append("---")
     out.append(f"flowchart {direction}")
     edges: list[str] = []

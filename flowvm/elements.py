@@ -39,7 +39,8 @@ class Element:
 
     # -- caches (compiled call closures, analysis results) never travel
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_c_")}
+        # the overrides table is copied too, so that a copy.copy of a program has a table of its own
+        return {k: dict(v) if k == "_overrides" else v for k, v in self.__dict__.items() if not k.startswith("_c_")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -127,6 +128,14 @@ class Element:
     def dependency_overrides(self) -> dict:
         """Replacements for ``Depends`` providers when this program runs (see ``flowvm.depends``)."""
         return self.__dict__.setdefault("_overrides", {})
+
+    def with_overrides(self, overrides: dict) -> "Element":
+        """A copy of this element whose dependency_overrides also hold these (an expression form)."""
+        import copy
+
+        new = copy.copy(self)
+        new.dependency_overrides.update(overrides)
+        return new
 
     # -- printing
     def __str__(self) -> str:

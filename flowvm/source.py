@@ -68,6 +68,12 @@ def _import_of(obj: Any) -> tuple[str, str] | None:
     if bound:
         modules.append(type(owner).__module__)
     attrs = [getattr(obj, "__qualname__", None), getattr(obj, "__name__", None)]
+    objclass = getattr(obj, "__objclass__", None)  # a method descriptor: str.upper, torch.Tensor.add
+    if isinstance(objclass, type) and isinstance(getattr(obj, "__name__", None), str):
+        if objclass.__module__ == "torch._C" and objclass.__name__ == "TensorBase":
+            modules.insert(0, "torch")  # written as torch.Tensor.NAME, the name users know
+            attrs.insert(0, f"Tensor.{obj.__name__}")
+        modules.append(objclass.__module__)
     for mod_name in modules:
         if not isinstance(mod_name, str):
             continue
@@ -129,8 +135,9 @@ class _Writer:
             raise self.error(f"{_what(obj)} cannot be imported; pass names={{'name': obj}} to to_source "
                              "(and the same names to from_source)")
         module, attr = found
-        if module == "builtins" and attr and "." not in attr and getattr(builtins, attr, None) is obj:
-            return attr
+        first = attr.partition(".")[0]
+        if module == "builtins" and attr and hasattr(builtins, first) and first not in self.by_id.values():
+            return attr  # a builtin (or its method, str.upper) needs no import
         if not attr:
             return self._local(module, "")
         first, _, rest = attr.partition(".")
@@ -236,7 +243,13 @@ class _Writer:
             self.flowvm.add("Scope")
             shared = self.value(frozenset(s.shared)) if s.shared else "frozenset()"
             text += f".with_scope(Scope({s.namespace!r}, {s.template!r}, {shared}))"
+        table = el.__dict__.get("_overrides")
+        if table and path != ():  # the root's are a statement of their own (see to_source)
+            text += f".with_overrides({self.overrides(table)})"
         return text
+
+    def overrides(self, table: dict) -> str:
+        return self.seq("{", [f"{self.ref(k)}: {self.value(v)}" for k, v in table.items()], "}")
 
     def _element(self, el: Element, path: tuple) -> str:
         kind = type(el)
@@ -326,13 +339,24 @@ def to_source(program: Element, *, names: dict[str, Any] | None = None,
     # elements found at more than one place are written once, as variables
     counts: dict[int, int] = {}
     objects: dict[int, Element] = {}
-    order: list[int] = []
     for _, el in walk(program):
         counts[id(el)] = counts.get(id(el), 0) + 1
         if id(el) not in objects:
             objects[id(el)] = el
-            order.append(id(el))
-    shared = [i for i in reversed(order) if counts[i] > 1 and objects[i] is not program]
+    # each written after the shared elements inside it: in the order a post-order walk finishes them
+    finished: list[int] = []
+    seen: set[int] = set()
+
+    def post(el: Element) -> None:
+        if id(el) in seen:
+            return
+        seen.add(id(el))
+        for c in el.children:
+            post(c)
+        finished.append(id(el))
+
+    post(program)
+    shared = [i for i in finished if counts[i] > 1 and objects[i] is not program]
     body = []
     paths = {id(el): p for p, el in reversed(list(walk(program)))}
     for k, i in enumerate(shared, 1):
@@ -345,8 +369,7 @@ def to_source(program: Element, *, names: dict[str, Any] | None = None,
     table = program.__dict__.get("_overrides")
     if table:
         w.path = ()
-        pairs = [f"{w.ref(k)}: {w.value(v)}" for k, v in table.items()]
-        body.append(f"program.dependency_overrides.update({w.seq('{', pairs, '}')})")
+        body.append(f"program.dependency_overrides.update({w.overrides(table)})")
     file = w.file if w.file is not None else None
     values = {}
     if file is not None and registers is not False:

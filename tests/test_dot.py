@@ -111,8 +111,12 @@ def test_generated_programs_and_half_run_drivers_render(seed):
 def parse_mermaid(text):
     """Nodes (id -> label), edges and classes of the flowcharts to_mermaid writes; fails on anything else."""
     lines = text.splitlines()
-    if lines[0] == "---":
+    if lines[0] == "---":  # front matter: YAML, as Mermaid reads it
+        import yaml
+
         end = lines.index("---", 1)
+        front = yaml.safe_load("\n".join(lines[1:end]))
+        assert set(front) == {"title"} and front["title"].startswith("flowvm driver: "), front
         lines = lines[end + 1:]
     assert re.fullmatch(r"flowchart (TD|LR|BT|RL)", lines[0])
     nodes, edges, classes, depth = {}, [], {}, 0
@@ -145,6 +149,12 @@ def test_mermaid_has_every_element_and_escapes_labels():
     assert nodes[node_id("0")] == "y = pair(s, {'k': 'a#quot;b', '\\\\': '{}#lt;#gt;#124;'})"
     assert (node_id("2"), node_id("2.1"), "case 'a#124;b'") in edges
     assert len(edges) == len(nodes) - 1
+
+
+def test_a_graph_name_that_is_no_dot_identifier_is_quoted():
+    text = to_dot(SEQ([CALL(abs, -1)]), name="my-prog 2")
+    assert text.startswith('digraph "my-prog 2" {')
+    graphviz(text)
 
 
 def test_mermaid_marks_the_drivers_position():

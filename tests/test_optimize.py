@@ -270,6 +270,32 @@ SEQ:
     assert (reference.steps, drv.steps) == (4 + 3 + 2 + 2, 1 + 1 + 2 + 2)
 
 
+def test_batch_buffers_leaves_a_buffer_inside_a_weave_alone_since_turns_count_its_steps():
+    from flowvm import WEAVE
+
+    def build():
+        reg = Registers(ticks=[])
+        return WEAVE(1, [BUFFER(3, CALL(Counter().next)), REPEAT(2, CALL(list.append, reg("ticks"), "t"))]), reg
+
+    prog, reg = build()
+    expected = prog.run()
+    fast, got = build()
+    fast = optimize(fast, passes=["batch-buffers"])
+    assert str(fast) == str(prog)
+    assert fast.run() == expected and got["ticks"] == reg["ticks"] == ["t", "t"]
+
+
+def test_optimize_returns_a_new_program_even_when_no_pass_changes_anything():
+    reg = Registers(x=1)
+    prog = SEQ([CALL(abs, reg("x"), store_to=reg("x"))])
+    prog.dependency_overrides[abs] = round
+    fast = optimize(prog, passes=["flatten"])
+    assert fast is not prog and str(fast) == str(prog)
+    fast.find(abs).insert_after(CALL(print, "hook"))
+    fast.dependency_overrides[abs] = abs
+    assert str(prog) == "SEQ:\n    x = abs(x)" and prog.dependency_overrides[abs] is round
+
+
 def test_a_register_count_of_zero_gives_an_empty_buffer_without_calling_the_source():
     reg = Registers(n=0)
     src = Counter()

@@ -122,6 +122,43 @@ def test_objects_by_name_shared_elements_scopes_and_overrides():
     assert data.i == 4 and rebuilt.elements[1].body.store_to.file["d"] == (("fake",), {})
 
 
+def test_sub_program_overrides_and_an_element_shared_before_its_container_round_trip():
+    def build():
+        reg = Registers(x=0)
+        t = CALL(toy.inc, reg("x"), store_to=reg("x"))
+        a = SEQ([t, CALL(echo, Depends(get_device), store_to=reg("d"))])
+        a.dependency_overrides[get_device] = fake_device
+        return SEQ([t, a, a])
+
+    prog = build()
+    text = to_source(prog)
+    assert ".with_overrides({get_device: fake_device})" in text
+    rebuilt = from_source(text)
+    assert rebuilt.elements[0] is rebuilt.elements[1].elements[0] and rebuilt.elements[1] is rebuilt.elements[2]
+    assert rebuilt.elements[1].dependency_overrides == {get_device: fake_device} and not rebuilt.dependency_overrides
+    assert to_source(rebuilt) == text
+    expected = prog.start()
+    expected.run()
+    got = rebuilt.start()
+    got.run()
+    assert dict(got.registers) == dict(expected.registers) == {"x": 3, "d": (("fake",), {})}
+
+
+def test_method_descriptors_are_written_by_their_class():
+    import torch
+
+    reg = Registers(s="ab", d={"k": 1})
+    prog = SEQ([CALL(str.upper, reg("s"), store_to=reg("u")), CALL(dict.get, reg("d"), "k", store_to=reg("v")),
+                CALL(torch.Tensor.add, torch.ones(2), 1, store_to=reg("t"))])
+    text = to_source(prog)
+    assert "CALL(str.upper, reg('s')" in text and "CALL(dict.get, reg('d'), 'k'" in text and "builtins" not in text
+    assert "from torch import Tensor" in text and "CALL(Tensor.add, torch.tensor(" in text
+    rebuilt = from_source(text)
+    assert str(rebuilt) == str(prog)
+    rebuilt.run()
+    assert rebuilt.elements[0].store_to.file["u"] == "AB" and rebuilt.elements[2].store_to.file["t"].tolist() == [2.0, 2.0]
+
+
 def test_errors_name_the_element_or_register():
     reg = Registers(obj=Dataset())
     with pytest.raises(SourceError, match=r"at path '1'.*lambda.*cannot be imported") as info:

@@ -30,6 +30,7 @@ SEQ:
 from __future__ import annotations
 
 import contextvars
+import copy
 import difflib
 import inspect
 from dataclasses import dataclass, field
@@ -231,7 +232,8 @@ def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool 
                                     "return a new program (edit a copy: copy.copy(program).find(...))", p.name)
                 _verify(new, p.name, f"pass {p.name!r} produced a program that does not verify")
             current = new
-        return current
+        # a new program even when no pass changed anything: editing it leaves the original alone
+        return copy.copy(current) if current is program else current
     finally:
         _CONTEXT.reset(token)
 

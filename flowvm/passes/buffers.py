@@ -41,7 +41,7 @@ from typing import Any, Callable
 from ..elements import BUFFER, CALL, Element
 from ..registers import Register
 from . import register_pass
-from .rewrite import rewrite
+from .rewrite import rewrite, under_weave
 
 SUFFIX = "_batch"
 
@@ -83,5 +83,7 @@ def _visit(el: Element, path) -> Element:
 
 @register_pass("batch-buffers", default=True)
 def batch_buffers(program: Element) -> Element:
-    """Turn BUFFER(n, CALL(src.NAME)) into one CALL(src.NAME_batch, n) where the source offers it."""
-    return rewrite(program, _visit)
+    """Turn BUFFER(n, CALL(src.NAME)) into one CALL(src.NAME_batch, n) where the source offers it (not
+    inside a WEAVE, whose turns count the BUFFER's n steps)."""
+    weaves = under_weave(program)
+    return rewrite(program, lambda el, path: el if path in weaves else _visit(el, path))

@@ -39,12 +39,12 @@ import types
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from ..elements import CALL, SEQ, WEAVE, Element
+from ..elements import CALL, SEQ, Element
 from ..paths import format_path
 from ..registers import Register, iter_registers
 from . import current_context, register_pass
 from .fused_runtime import FusionWarning, Runtime, is_barrier
-from .rewrite import rebuild, rewrite
+from .rewrite import rebuild, rewrite, under_weave
 
 __all__ = ["FUSED", "FuseSettings", "FusionWarning", "fusable", "is_fusable", "fuse_torch", "fused_step", "set_form"]
 
@@ -351,7 +351,7 @@ def fuse_torch(program: Element, *, backend: Any = "inductor", mode: str | None 
     if "torch" not in sys.modules and not _any_marked(program):
         return program
     ctx = current_context()
-    weaves = _under_weave(program)
+    weaves = under_weave(program)
 
     def visit(el, path):
         if type(el) is SEQ and path not in weaves:
@@ -359,17 +359,6 @@ def fuse_torch(program: Element, *, backend: Any = "inductor", mode: str | None 
         return el
 
     return rewrite(program, visit)
-
-
-def _under_weave(program: Element) -> set[tuple[int, ...]]:
-    """Paths of the elements inside a WEAVE: fusing there would change its step-counted schedule."""
-    from ..paths import walk
-
-    inside: set[tuple[int, ...]] = set()
-    for path, el in walk(program):
-        if type(el) is WEAVE or (path and path[:-1] in inside):
-            inside.add(path)
-    return inside
 
 
 def _any_marked(program: Element) -> bool:

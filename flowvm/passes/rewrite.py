@@ -23,6 +23,19 @@ def rebuild(el: Element, children) -> Element:
 Visit = Callable[[Element, tuple[int, ...]], Element]
 
 
+def under_weave(program: Element) -> set[tuple[int, ...]]:
+    """Paths of the elements inside a WEAVE, whose schedule counts steps: a pass that changes how many
+    steps a part takes leaves these alone."""
+    from ..elements import WEAVE
+    from ..paths import walk
+
+    inside: set[tuple[int, ...]] = set()
+    for path, el in walk(program):
+        if type(el) is WEAVE or (path and path[:-1] in inside):
+            inside.add(path)
+    return inside
+
+
 def rewrite(program: Element, visit: Visit) -> Element:
     """The program with every element replaced by visit(element-with-rewritten-children, path)."""
 
