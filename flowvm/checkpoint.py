@@ -29,9 +29,10 @@ import os
 import pickle
 import platform
 import random
+import secrets
+import stat
 import struct
 import sys
-import tempfile
 import time
 import types
 import warnings
@@ -308,6 +309,25 @@ def _encode(driver, key, path, meta=None) -> bytes:
     return out
 
 
+def _create_temporary(path: Path) -> tuple[int, str]:
+    """A new temporary file beside path, with the permissions path has (a new file: those the umask
+    gives, as open() would), to be renamed over it."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = None
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+        except FileExistsError:
+            continue
+        if mode is not None:
+            os.fchmod(fd, mode)
+        return fd, tmp
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
 def save(driver, path: str | os.PathLike, key: bytes | str | None = None, meta: dict | None = None) -> Path:
     """Write driver (and the global RNG states) to path atomically; sign it with key if given.
 
@@ -325,7 +345,7 @@ def save(driver, path: str | os.PathLike, key: bytes | str | None = None, meta: 
         raise CheckpointError(path, f"cannot save: no directory {directory}")
     data = _encode(driver, key, path, meta)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        fd, tmp = _create_temporary(path)
     except OSError as err:
         raise CheckpointError(path, f"cannot save: {err.strerror or err} in {directory}") from err
     try:

@@ -226,7 +226,6 @@ class Driver:
 
     def _drive(self, limit, deadline: float | None, idle: "_Idle | None", block: bool) -> Any:
         """The loop of run() and arun(): with block=False it returns instead of waiting on pending leaves."""
-        chunk = 1  # fast-path steps between two looks at the clock (with a deadline), grown while steps are quick
         while True:
             if self.steps >= limit and not self.done:
                 return INCOMPLETE  # checked first: run(max_steps=0) enters nothing
@@ -235,27 +234,20 @@ class Driver:
             if deadline is not None:
                 if monotonic() >= deadline:
                     return INCOMPLETE
+                # the fast paths look at the clock after every step: a step may take far longer than the last
                 fast = self._fast
                 if fast is not None and fast[1] + 1 < fast[2]:
-                    t0 = monotonic()
                     try:
-                        self._repeat_leaf(fast, min(limit, self.steps + chunk))
+                        self._repeat_leaf(fast, limit, deadline)
                     except Exception as err:
                         raise self._running_error(err)
-                    took = monotonic() - t0
-                    chunk = min(chunk * 2, 1 << 20) if took < 0.0005 else max(chunk // 2, 1) if took > 0.002 \
-                        else chunk
                     continue
                 if fast is None and self._fastseq is not None:
-                    t0 = monotonic()
                     try:
-                        ran = self._repeat_seq(self._fastseq, min(limit, self.steps + chunk))
+                        ran = self._repeat_seq(self._fastseq, limit, deadline)
                     except Exception as err:
                         raise self._running_error(err)
                     if ran:
-                        took = monotonic() - t0
-                        chunk = min(chunk * 2, 1 << 20) if took < 0.0005 else max(chunk // 2, 1) \
-                            if took > 0.002 else chunk
                         continue
             else:
                 fast = self._fast
@@ -360,8 +352,9 @@ class Driver:
             self._leaf = el.bind(self, stack[-1])
         return True
 
-    def _repeat_leaf(self, parent: list, limit) -> None:
-        """Run a leaf repeated by a REPEAT frame in a tight loop, up to (not including) its last iteration."""
+    def _repeat_leaf(self, parent: list, limit, deadline: float | None = None) -> None:
+        """Run a leaf repeated by a REPEAT frame in a tight loop, up to (not including) its last iteration
+        (and, with a deadline, until the step that ends past it)."""
         leaf = self._leaf
         i = start = parent[1]
         stop = parent[2] - 1
@@ -373,7 +366,16 @@ class Driver:
         value = parent[3]
         regs = self.registers
         try:
-            if counter is None:
+            if deadline is not None:
+                name = counter.name if counter is not None else None
+                while i < stop:
+                    value = leaf()
+                    i += 1
+                    if name is not None:
+                        regs[name] = i
+                    if monotonic() >= deadline:
+                        break
+            elif counter is None:
                 while i < stop:
                     value = leaf()
                     i += 1
@@ -390,7 +392,7 @@ class Driver:
             if i > start:
                 self._fresh = None
 
-    def _repeat_seq(self, fs: tuple, limit) -> int:
+    def _repeat_seq(self, fs: tuple, limit, deadline: float | None = None) -> int:
         """Run a SEQ of plain leaves repeated by a REPEAT in a tight loop, up to (not including) the last
         leaf of the last iteration; return the steps taken.  The frames are written back as the general
         path would leave them, also when a leaf raises (the next step retries it)."""
@@ -404,8 +406,11 @@ class Driver:
         name = counter.name if counter is not None else None
         budget = limit - self.steps
         ran = 0
+        timed = deadline is not None
         try:
             while ran < budget and (pos != last or i != n - 1):
+                if timed and ran and monotonic() >= deadline:
+                    break
                 v = leaves[pos]()
                 ran += 1
                 if pos == last:  # the SEQ finished: its value is the iteration's

@@ -385,6 +385,9 @@ class WEAVE(Element):
         if n_required > len(elements):
             raise ValueError(f"WEAVE: n_required={n_required} but it has only {len(elements)} children")
         if weights is not None:
+            if isinstance(weights, (str, bytes)) or not isinstance(weights, Iterable):
+                raise TypeError(f"WEAVE: weights must be a sequence of numbers, one per child, got "
+                                f"{type(weights).__name__} {weights!r:.60}")
             weights = tuple(weights)
             if len(weights) != len(elements):
                 raise ValueError(f"WEAVE: {len(weights)} weights for {len(elements)} children")

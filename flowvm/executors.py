@@ -49,7 +49,7 @@ _lock = threading.RLock()
 _pool = None  # the default pool, created on first use
 _pool_pid = None  # the process that created it: a forked child must leave it alone
 _exit_hook_installed = False
-_retired: list = []  # former default pools still running abandoned fragments (killed at exit)
+_retired: dict = {}  # former default pools -> their abandoned futures (killed when the rest is done, or at exit)
 _named: dict[str, Any] = {}
 _by_token: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 
@@ -174,7 +174,8 @@ def shutdown_default_executor(kill: bool = False) -> None:
     with _lock:
         pool, _pool = _pool, None
         retired = list(_retired) if kill else []
-        del _retired[:len(retired)]
+        for old in retired:
+            del _retired[old]
     for old in retired:
         _kill_pool(old)
     if pool is None:
@@ -218,24 +219,45 @@ def _kill_pool(pool) -> None:
         manager.join(timeout=5)
 
 
-def retire_running(executor) -> None:
-    """A fragment that runs in the default pool was abandoned (timeout, WEAVE): stop it taking a worker.
+def retire_running(executor, future: cf.Future | None = None) -> None:
+    """future, a fragment running in the default pool, was abandoned (timeout, WEAVE): stop it taking a
+    worker.
 
     A process pool cannot stop one running task, and killing a worker breaks
     the whole pool.  So the pool stops being the default (the next SPAWN gets a
-    fresh one); it is killed now when nothing else runs on it, else when its
-    other work is done or at exit.
+    fresh one); it is killed as soon as every task on it that was not abandoned
+    is done (at once when there is none), or at exit.
     """
     global _pool
     with _lock:
-        if executor is None or executor is not _pool:
+        if executor is None:
             return
-        _pool = None
-        pending = len(getattr(executor, "_pending_work_items", None) or {})
-        if pending > 1:
-            _retired.append(executor)
+        if executor is _pool:
+            _pool = None
+            _retired[executor] = set()
+        elif executor not in _retired:
             return
-    _kill_pool(executor)
+        if future is not None:
+            _retired[executor].add(future)
+    _kill_when_idle(executor)
+
+
+def _kill_when_idle(pool) -> None:
+    """Kill a retired pool if only abandoned tasks are left on it; else look again when one finishes."""
+    with _lock:
+        abandoned = _retired.get(pool)
+        if abandoned is None:
+            return
+        items = list((getattr(pool, "_pending_work_items", None) or {}).values())
+        others = [wi.future for wi in items if wi.future not in abandoned and not wi.future.done()]
+        if not others:
+            del _retired[pool]
+    if others:
+        for f in others:  # callbacks run on the pool's own thread, which _kill_pool waits for
+            f.add_done_callback(lambda _, pool=pool: threading.Thread(target=_kill_when_idle, args=(pool,),
+                                                                       daemon=True).start())
+        return
+    _kill_pool(pool)
 
 
 def discard_broken(executor) -> None:
@@ -473,7 +495,7 @@ class Job:
         """Cancel the task; one already running on the default pool retires that pool (see retire_running)."""
         self._finalizer()
         if not self.future.done() or self.future.running():
-            retire_running(self.executor)
+            retire_running(self.executor, self.future)
 
     def finish(self, spec, store_to, registers: Registers) -> Any:
         """The fragment's value, its written registers merged into registers; or its error raised."""

@@ -351,9 +351,9 @@ class _Process:
 
     def output(self) -> tuple[Any, Any]:
         texts = []
-        for f in (self.out, self.err):
-            if f is None:
-                data = self.tee.result(0.5) if f is self.err and self.tee is not None else None
+        for k, f in enumerate((self.out, self.err)):
+            if f is None:  # not captured; stderr's tail is kept by the tee (for check=True's message)
+                data = self.tee.result(0.5) if k == 1 and self.tee is not None else None
             else:
                 f.seek(0)
                 data = f.read()

@@ -86,6 +86,24 @@ def test_run_with_a_timeout_returns_in_time_and_the_run_resumes_exactly():
     assert same(outcome(drv), outcome(straight))
 
 
+@pytest.mark.parametrize("shape", ["leaf", "seq"])
+def test_run_with_a_timeout_stays_in_time_when_quick_steps_turn_slow(shape):
+    calls = [0]
+
+    def work():
+        calls[0] += 1
+        if calls[0] > 20000:  # after many quick steps, slow ones: the deadline is still met within one step
+            time.sleep(0.01)
+
+    body = CALL(work) if shape == "leaf" else SEQ([CALL(work), CALL(work)])
+    drv = REPEAT(10 ** 7, body).start()
+    for _ in range(2):
+        t0 = time.monotonic()
+        assert drv.run(timeout=0.3) is INCOMPLETE
+        assert 0.3 <= time.monotonic() - t0 < 1.0
+    assert drv.steps == calls[0]
+
+
 def test_run_timeout_and_max_steps_together():
     reg = Registers(n=0)
     drv = LOOP(CALL(lambda n: n + 1, reg("n"), store_to=reg("n"))).start()

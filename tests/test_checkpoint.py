@@ -11,6 +11,7 @@ import os
 import pickle
 import platform
 import random
+import stat
 import struct
 import subprocess
 import sys
@@ -521,6 +522,21 @@ def test_save_to_a_directory_or_into_a_missing_one_names_the_path(tmp_path):
     with pytest.raises(CheckpointError, match=f"no directory {tmp_path / 'missing'}"):
         flowvm.save(drv, tmp_path / "missing" / "x.ckpt")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_saved_file_gets_the_umask_permissions_or_keeps_those_of_the_file_it_replaces(tmp_path):
+    drv = CALL(abs, -1).start()
+    old = os.umask(0o027)
+    try:
+        flowvm.save(drv, tmp_path / "new.ckpt")
+        assert stat.S_IMODE(os.stat(tmp_path / "new.ckpt").st_mode) == 0o640  # as open() would create it
+        (tmp_path / "kept.ckpt").write_bytes(b"")
+        os.chmod(tmp_path / "kept.ckpt", 0o604)
+        flowvm.save(drv, tmp_path / "kept.ckpt")
+        assert stat.S_IMODE(os.stat(tmp_path / "kept.ckpt").st_mode) == 0o604
+    finally:
+        os.umask(old)
+    assert sorted(os.listdir(tmp_path)) == ["kept.ckpt", "new.ckpt"]  # no temporary file left
 
 
 # ==================================================================== damaged files

@@ -167,6 +167,7 @@ def test_loop_spinning_without_steps_is_an_error():
     (lambda: WEAVE(-2, [CALL(print)]), ValueError, "n_required"),
     (lambda: WEAVE(1, [CALL(print)], weights=[0]), ValueError, "positive"),
     (lambda: WEAVE(1, [CALL(print)], weights=[1, 2]), ValueError, "2 weights for 1"),
+    (lambda: WEAVE(1, [CALL(print)], weights=2), TypeError, "WEAVE: weights must be a sequence"),
     (lambda: WHILE(lambda: True, CALL(print)), TypeError, "cond must be a CALL"),
     (lambda: SWITCH("mode", {}), TypeError, "selector"),
     (lambda: SWITCH(Registers()("m"), {1: "x"}), TypeError, "case 1"),

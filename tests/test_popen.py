@@ -132,6 +132,12 @@ def test_check_without_capture_still_shows_stderr(capfd):
     assert "warning here" in capfd.readouterr().err
 
 
+def test_check_without_capture_puts_the_stderr_tail_in_stderr_only():
+    with pytest.raises(CommandError) as info:
+        POPEN(py("import sys; print('out'); print('ERR', file=sys.stderr); sys.exit(3)"), check=True).run()
+    assert info.value.returncode == 3 and info.value.stdout is None and "ERR" in info.value.stderr
+
+
 def test_a_command_killed_by_a_signal_is_reported_as_such():
     with pytest.raises(CommandError, match="died of signal SIGKILL"):
         POPEN(py("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), check=True).run()

@@ -335,6 +335,26 @@ def test_fragments_that_timed_out_on_the_default_pool_do_not_block_later_spawns(
     assert drv.run(timeout=20) != INCOMPLETE and time.monotonic() - t0 < 20
 
 
+def test_a_retired_pool_is_killed_as_soon_as_its_work_that_was_not_abandoned_is_done(monkeypatch):
+    from flowvm import executors
+
+    pool = cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver"))
+    monkeypatch.setattr(executors, "_pool", pool)
+    runaway, other = pool.submit(time.sleep, 60), pool.submit(time.sleep, 1.0)
+    while not (runaway.running() and other.running()):
+        time.sleep(0.01)
+    workers = list(pool._processes.values())
+    executors.retire_running(pool, runaway)  # say a WEAVE abandoned it: the other task keeps its worker
+    assert executors._pool is None and pool in executors._retired
+    time.sleep(0.3)
+    assert all(w.is_alive() for w in workers) and not other.done()
+    assert other.result(timeout=10) is None
+    deadline = time.monotonic() + 10
+    while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(w.is_alive() for w in workers) and pool not in executors._retired  # the runaway is gone
+
+
 # ----------------------------------------------------------------- copies and lifetime
 def test_a_copy_made_in_flight_submits_the_fragment_again(tmp_path):
     log = tmp_path / "runs"
