@@ -82,6 +82,19 @@ def _check_reads(el: Element, path: tuple, before: frozenset, program: Element) 
                   f"(registers written by then: {known})", path, program, r.name)
 
 
+def _may_write(el: Element) -> frozenset:
+    """The registers el may write when it runs: ``writes(el)`` less what sits in a part that never
+    runs (the body of a REPEAT or BUFFER whose count is the literal 0, the children of a WEAVE(0))."""
+    if el.is_leaf:
+        return frozenset(writes(el))
+    own = frozenset(r.name for r in el.own_writes())
+    if isinstance(el, (REPEAT, BUFFER)) and isinstance(el.n, int) and el.n == 0:
+        return own
+    if isinstance(el, WEAVE) and el.n_required == 0:
+        return own
+    return own.union(*(_may_write(c) for c in el.children))
+
+
 def _check(el: Element, path: tuple, before: frozenset, program: Element) -> frozenset:
     """Check el given the registers that may be written before it; return those after it."""
     if el.is_leaf:
@@ -101,18 +114,18 @@ def _check(el: Element, path: tuple, before: frozenset, program: Element) -> fro
         _check(el.body, path + (0,), before | (own if isinstance(el, REPEAT) else set()), program)
         if isinstance(el.n, int) and el.n == 0:  # the body never runs (a BUFFER still stores [])
             return before | own
-        return before | own | writes(el.body)
+        return before | own | _may_write(el.body)
     if isinstance(el, LOOP):
         if not can_step(el.body):
             _fail("LOOP body can never take a step; the loop would spin forever", path, program)
         _check(el.body, path + (0,), before, program)
-        return before | writes(el.body)
+        return before | _may_write(el.body)
     if isinstance(el, WHILE):
         if not can_step(el.body):
             _fail("WHILE body can never take a step", path, program)
         after_cond = _check(el.cond, path + (0,), before, program)
         _check(el.body, path + (1,), after_cond, program)
-        return after_cond | writes(el.body)
+        return after_cond | _may_write(el.body)
     if isinstance(el, SWITCH):
         _check_reads(el, path, before, program)
         children = el.children
@@ -129,7 +142,7 @@ def _check(el: Element, path: tuple, before: frozenset, program: Element) -> fro
             for i, child in enumerate(el.elements):
                 _check(child, path + (i,), before | writes(el), program)  # checked, but writes nothing
             return before
-        all_writes = [writes(c) for c in el.elements]
+        all_writes = [_may_write(c) for c in el.elements]
         after = set(before)
         for i, child in enumerate(el.elements):
             others = frozenset().union(*(w for j, w in enumerate(all_writes) if j != i))

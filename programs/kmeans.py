@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from flowvm import CALL, REPEAT, SEQ, WHILE, Registers
+from flowvm.programs import check_options
 
 SHOW = ["restart", "inertia"]
 
@@ -87,6 +88,8 @@ class Lloyd:
 def build(samples: int = 5000, clusters: int = 6, dim: int = 2, spread: float = 1.0, restarts: int = 3,
           tol: float = 1e-6, max_iter: int = 100, seed: int = 0):
     """k-means with `restarts` k-means++ starts on `samples` points in `clusters` Gaussian blobs."""
+    check_options("kmeans", counts=dict(samples=samples, clusters=clusters, dim=dim, restarts=restarts,
+                                        max_iter=max_iter), positive=dict(spread=spread))
     x, true_centers = make_blobs(samples, clusters, dim, spread, seed)
     reg = Registers(x=x, true_centers=true_centers, best=None)
     run = Lloyd(clusters, tol, max_iter, seed + 1)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from flowvm import CALL, SEQ, WHILE, Registers
+from flowvm.programs import check_options
 
 SHOW = ["loss", "grad_norm"]
 THREADS = 1  # the flowvm command runs these small problems on one torch thread
@@ -126,12 +127,14 @@ def make_problem(problem: str, dim: int, seed: int) -> Objective:
 def build(problem: str = "rosenbrock", dim: int = 10, tol: float = 1e-8, max_iter: int = 500,
           history_size: int = 10, seed: int = 0):
     """Minimize `problem` in `dim` dimensions with L-BFGS (strong-Wolfe line search) until max |grad| <= tol."""
+    check_options("lbfgs", counts=dict(dim=dim, max_iter=max_iter, history_size=history_size))
     objective = make_problem(problem, dim, seed)
     optimizer = torch.optim.LBFGS([objective.x], lr=1, max_iter=1, max_eval=25, history_size=history_size,
                                   tolerance_grad=tol, tolerance_change=0.0, line_search_fn="strong_wolfe")
     stopping = Stopping(optimizer, tol, max_iter)
     reg = Registers(optimum=objective.optimum)
     return SEQ([
+        CALL(objective.value, store_to=reg("loss")),
         CALL(objective.grad_norm, store_to=reg("grad_norm")),
         WHILE(CALL(stopping.keep_going, reg("grad_norm")), SEQ([
             CALL(optimizer.step, objective),

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from flowvm import CALL, LOOP, REPEAT, SEQ, WEAVE, Registers
+from flowvm.programs import check_options
 from flowvm.data import Batches
 
 SHOW = ["epoch", "loss", "accuracy"]
@@ -85,9 +86,9 @@ def build(samples: int = 3000, hidden: int = 64, layers: int = 2, epochs: int = 
     """Train an MLP on spirals; evaluate every `eval_every` and log every `log_every` updates."""
     if optimizer not in ("adam", "sgd"):
         raise ValueError(f"mlp: optimizer must be 'adam' or 'sgd', got {optimizer!r}")
-    for name, every in (("eval_every", eval_every), ("log_every", log_every)):
-        if every < 1:
-            raise ValueError(f"mlp: {name} must be >= 1, got {every}")
+    check_options("mlp", counts=dict(samples=samples, hidden=hidden, layers=layers, epochs=epochs,
+                                     batch_size=batch_size, eval_every=eval_every, log_every=log_every),
+                  positive=dict(lr=lr))
     x, y = spirals(samples, seed=seed)
     held_out = samples // 3
     torch.manual_seed(seed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from flowvm import CALL, REPEAT, SEQ, Registers
+from flowvm.programs import check_options
 from flowvm.data import Batches
 
 SHOW = ["epoch", "batch_error", "error"]
@@ -86,6 +87,8 @@ def append(items: list, item) -> list:
 def build(samples: int = 2000, side: int = 5, hidden: int = 24, epochs: int = 15, batch_size: int = 20,
           lr: float = 0.1, seed: int = 0):
     """CD-1 training of an RBM with `hidden` units on bars and stripes of side x side pixels."""
+    check_options("rbm", counts=dict(samples=samples, side=side, hidden=hidden, epochs=epochs,
+                                     batch_size=batch_size), positive=dict(lr=lr))
     x = bars_and_stripes(samples, side, seed=seed)
     machine = RBM(side * side, hidden, lr, seed + 1)
     data = Batches(x, batch_size=batch_size, seed=seed)

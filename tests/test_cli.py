@@ -388,7 +388,7 @@ def test_run_refuses_to_replace_an_unfinished_run_and_build_errors_name_the_opti
     assert flowvm.checkpoint.read_header(ckpt)["done"]
     flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--progress", "none")  # a finished run is replaced
     out = flowvm_cmd("run", "rbm", "--set", "epochs=-1", check=False)
-    assert out.returncode != 0 and "rejected --set epochs=-1: ValueError: REPEAT: count must be >= 0" in out.stderr
+    assert out.returncode != 0 and "rejected --set epochs=-1: ValueError: rbm: epochs must be >= 1, got -1" in out.stderr
     assert "Traceback" not in out.stderr
 
 

@@ -108,7 +108,7 @@ def test_lbfgs_reaches_the_rosenbrock_minimum():
     assert np.allclose(regs["x"], np.ones(10), rtol=0, atol=1e-6)
     assert regs["loss"] < 1e-12 and regs["grad_norm"] <= 1e-8
     # one WHILE iteration (condition + step + loss + gradient) per L-BFGS iteration
-    assert drv.steps == 4 * regs["iterations"] + 4
+    assert drv.steps == 4 * regs["iterations"] + 5
     assert 20 < regs["iterations"] < 500
 
 
@@ -152,6 +152,7 @@ def test_lbfgs_resumes_from_a_checkpoint_file_at_a_random_step(tmp_path):
 def test_lbfgs_listing():
     assert str(lbfgs.build()) == "\n".join([
         "SEQ:",
+        "    loss = Rosenbrock.value()",
         "    grad_norm = Rosenbrock.grad_norm()",
         "    WHILE Stopping.keep_going(grad_norm):",
         "        SEQ:",
@@ -161,3 +162,24 @@ def test_lbfgs_listing():
         "    iterations = Stopping.iterations()",
         "    x = Rosenbrock.solution()",
     ])
+
+
+@pytest.mark.parametrize("module, options, error, text", [
+    ("kmeans", {"restarts": 0}, ValueError, "kmeans: restarts must be >= 1, got 0"),
+    ("kmeans", {"clusters": 0}, ValueError, "kmeans: clusters must be >= 1"),
+    ("mlp", {"epochs": 0}, ValueError, "mlp: epochs must be >= 1, got 0"),
+    ("mlp", {"lr": "fast"}, TypeError, "mlp: lr must be a number > 0, got str 'fast'"),
+    ("rbm", {"batch_size": 2.5}, TypeError, "rbm: batch_size must be an int >= 1"),
+    ("lbfgs", {"max_iter": 0}, ValueError, "lbfgs: max_iter must be >= 1"),
+])
+def test_builders_refuse_options_that_leave_nothing_to_run_naming_the_option(module, options, error, text):
+    import importlib
+
+    with pytest.raises(error, match=text):
+        importlib.import_module(f"flowvm.programs.{module}").build(**options)
+
+
+def test_lbfgs_already_at_its_tolerance_runs_no_iteration_and_reports():
+    drv = lbfgs.build(tol=1e9).start()
+    drv.run()
+    assert drv.registers["iterations"] == 0 and "L-BFGS: 0 iterations, loss" in lbfgs.report(drv.registers)

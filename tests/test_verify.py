@@ -63,6 +63,13 @@ def test_a_body_repeated_zero_times_writes_nothing():
         verify(SEQ([BUFFER(0, CALL(toy.const, 1, store_to=reg("q")), store_to=reg("b")), CALL(toy.inc, reg("q"))]))
     verify(SEQ([BUFFER(0, CALL(toy.const, 1), store_to=reg("b")), PRINT(reg("b"))]))  # an empty buffer is stored
     verify(SEQ([REPEAT(0, CALL(toy.inc, reg("i")), counter=reg("i")), PRINT(reg("i"))]))  # the counter holds 0
+    never = REPEAT(0, CALL(toy.const, 1, store_to=reg("q")))
+    for inside in (WEAVE(-1, [never, CALL(toy.const, 2)]), REPEAT(3, never), LOOP(SEQ([never, CALL(toy.const, 2)])),
+                   SEQ([WEAVE(0, [CALL(toy.const, 1, store_to=reg("q"))])])):  # nested: still never written
+        prog = SEQ([inside, CALL(toy.inc, reg("q"))]) if type(inside) is not LOOP \
+            else WEAVE(1, [CALL(toy.const, 3), SEQ([inside, CALL(toy.inc, reg("q"))])])
+        with pytest.raises(VerifyError, match="'q'"):
+            verify(prog)
 
 
 def test_while_condition_sees_only_earlier_writes():
