@@ -309,6 +309,31 @@ def _encode(driver, key, path, meta=None) -> bytes:
     return out
 
 
+def _remove_orphaned_temporaries(path: Path) -> None:
+    """Remove temporary files that saves of path left behind when their process was killed mid-save
+    (their names carry the saving process's id; those of live processes are left alone)."""
+    prefix, suffix = f".{path.name}.", ".tmp"
+    try:
+        names = [n for n in os.listdir(path.parent) if n.startswith(prefix) and n.endswith(suffix)]
+    except OSError:
+        return
+    for name in names:
+        pid_text = name[len(prefix):-len(suffix)].partition("-")[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # alive (or another user's): perhaps saving right now
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.unlink(path.parent / name)
+        except OSError:
+            pass
+
+
 def _create_temporary(path: Path) -> tuple[int, str]:
     """A new temporary file beside path, with the permissions path has (a new file: those the umask
     gives, as open() would), to be renamed over it."""
@@ -316,8 +341,9 @@ def _create_temporary(path: Path) -> tuple[int, str]:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except OSError:
         mode = None
+    _remove_orphaned_temporaries(path)
     for _ in range(100):
-        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        tmp = str(path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
         except FileExistsError:

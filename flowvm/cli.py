@@ -113,19 +113,24 @@ def parse_sets(pairs: list[str], build) -> dict[str, Any]:
     float option an int or a float, a str option any text (quoted or not:
     ``optimizer=sgd`` and ``optimizer="'sgd'"`` are the same).
     """
-    params = inspect.signature(build).parameters
+    every = inspect.signature(build).parameters
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = {n: p for n, p in every.items() if p.kind in kinds}  # the options, by name
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in every.values())  # build(**options)
     options = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep:
             raise SystemExit(f"flowvm: --set expects name=value, got {pair!r}")
-        if name not in params:
-            raise SystemExit(f"flowvm: the program has no option {name!r}; options: {', '.join(params)}")
+        if not name.isidentifier():
+            raise SystemExit(f"flowvm: --set expects name=value with a Python name, got {pair!r}")
+        if name not in params and not takes_any:
+            raise SystemExit(f"flowvm: the program has no option {name!r}; options: {', '.join(params) or 'none'}")
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             value = text
-        default = params[name].default
+        default = params[name].default if name in params else None  # through **options: taken as written
         if isinstance(default, bool):
             if not isinstance(value, bool):
                 raise SystemExit(f"flowvm: option {name!r} is True or False, got {text!r}")
@@ -239,13 +244,22 @@ def _check_checkpoint_path(path: Path | None) -> None:
 
 
 def _refuse_to_overwrite(path: Path | None, force: bool) -> None:
-    """A run must not silently replace an unfinished run saved at its checkpoint path."""
+    """A run must not silently replace an unfinished run saved at its checkpoint path, nor a file that is
+    no checkpoint at all."""
     if path is None or force or not path.exists():
         return
     try:
+        with open(path, "rb") as f:
+            start = f.read(len(checkpoint.MAGIC))
+    except OSError:
+        return  # a directory or an unreadable path: saving names the problem
+    if start and not checkpoint.MAGIC.startswith(start[:len(checkpoint.MAGIC)]):
+        raise SystemExit(f"flowvm: {path} exists and is not a flowvm checkpoint; choose another --checkpoint "
+                         "path, or pass --force to replace it")
+    try:
         header = checkpoint.read_header(path)
     except CheckpointError:
-        return  # not a readable saved run: nothing to lose
+        return  # a damaged checkpoint: nothing to lose
     if not header.get("done"):
         target = (header.get("meta") or {}).get("target") or header.get("program")
         raise SystemExit(f"flowvm: {path} holds an unfinished run ({target}, step {header.get('steps')}); "

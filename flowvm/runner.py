@@ -172,7 +172,7 @@ class Runner:
             elif self.mode == "lines":
                 self.line(self.progress_line())
             self.save()
-            if stop.signal is not None:
+            if stop.signal is not None and not drv.done:  # a signal during the last step: the run finished
                 name = signal.Signals(stop.signal).name
                 where = f"; saved to {self.ckpt}, continue with `flowvm resume {self.ckpt}`" if self.ckpt else ""
                 if where and self.key is not None:

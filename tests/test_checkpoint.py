@@ -539,6 +539,21 @@ def test_a_saved_file_gets_the_umask_permissions_or_keeps_those_of_the_file_it_r
     assert sorted(os.listdir(tmp_path)) == ["kept.ckpt", "new.ckpt"]  # no temporary file left
 
 
+def test_a_save_removes_temporary_files_left_by_a_process_killed_while_saving(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # a process id that has exited
+    orphan = tmp_path / f".run.ckpt.{dead}-0123456789ab.tmp"
+    live = tmp_path / f".run.ckpt.{os.getppid()}-0123456789ab.tmp"  # a live process: perhaps saving now
+    other = tmp_path / f".other.ckpt.{dead}-0123456789ab.tmp"
+    for p in (orphan, live, other):
+        p.write_bytes(b"partial")
+    flowvm.save(CALL(abs, -1).start(), tmp_path / "run.ckpt")
+    assert sorted(os.listdir(tmp_path)) == sorted(["run.ckpt", live.name, other.name])
+
+
 # ==================================================================== damaged files
 def test_truncated_files(saved, tmp_path):
     path, data = saved

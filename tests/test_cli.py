@@ -120,6 +120,34 @@ def test_parse_sets_converts_to_the_default_type():
     assert parse_sets(["name='adam'"], build) == parse_sets(["name=adam"], build) == {"name": "adam"}
 
 
+def test_parse_sets_passes_any_option_to_a_build_taking_keyword_arguments():
+    def build(n=3, **options):
+        pass
+
+    assert parse_sets(["n=5", "width=7", "mode=fast", "shape=(2, 3)"], build) == {
+        "n": 5, "width": 7, "mode": "fast", "shape": (2, 3)}
+    with pytest.raises(SystemExit, match="'n' takes an int"):
+        parse_sets(["n=x"], build)
+    with pytest.raises(SystemExit, match="a Python name"):
+        parse_sets(["my-option=1"], build)
+
+    def strict(n=3, *args):
+        pass
+
+    with pytest.raises(SystemExit, match="no option 'args'; options: n"):
+        parse_sets(["args=1"], strict)
+
+
+def test_run_refuses_to_replace_a_file_that_is_no_checkpoint_unless_forced(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious\n")
+    out = flowvm_cmd("run", "pca", "--set", "batches=2", "--checkpoint", notes, check=False)
+    assert out.returncode == 1 and f"{notes} exists and is not a flowvm checkpoint" in out.stderr
+    assert notes.read_text() == "precious\n"
+    flowvm_cmd("run", "pca", "--set", "batches=2", "--checkpoint", notes, "--force", "--progress", "none")
+    assert flowvm.checkpoint.read_header(notes)["done"]
+
+
 def test_unknown_targets_and_missing_files_are_named(tmp_path):
     out = flowvm_cmd("run", "no_such_program_anywhere", check=False)
     assert out.returncode == 1 and "no program 'no_such_program_anywhere'" in out.stderr

@@ -166,3 +166,28 @@ def test_ctrl_c_while_spawned_trials_run_stops_the_whole_group_cleanly(tmp_path)
     assert not flowvm.checkpoint.read_header(ckpt)["done"]
     out = flowvm_cmd("resume", ckpt, "--progress", "none")
     assert "best: trial" in out.stdout and flowvm.checkpoint.read_header(ckpt)["done"]
+
+
+def test_ctrl_c_during_the_last_step_lets_the_finished_run_report_success(tmp_path):
+    marker = tmp_path / "last-step-started"
+    (tmp_path / "slowlast.py").write_text(
+        "import pathlib, time\n"
+        "from flowvm import CALL, SEQ, Registers\n\n"
+        "def last(path):\n"
+        "    pathlib.Path(path).write_text('x')\n"
+        "    time.sleep(1.5)\n"
+        "    return 7\n\n"
+        f"def build(marker={str(marker)!r}):\n"
+        "    reg = Registers()\n"
+        "    return SEQ([CALL(abs, -1, store_to=reg('a')), CALL(last, marker, store_to=reg('b'))])\n")
+    ckpt = tmp_path / "s.ckpt"
+    proc = subprocess.Popen(COMMAND + ["run", str(tmp_path / "slowlast.py"), "--checkpoint", str(ckpt),
+                                       "--progress", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "stopped" not in err, err
+    assert flowvm.checkpoint.read_header(ckpt)["done"] and "finished after 2 steps" in out
