@@ -35,12 +35,12 @@ def register_files(program: Element) -> list[Registers]:
 
 def reads(el: Element) -> set[str]:
     """Names of the registers el or any element inside it reads."""
-    return el._cached("reads", lambda: _union(el, "own_reads", reads))
+    return el._cached_subtree("reads", lambda: _union(el, "own_reads", reads))
 
 
 def writes(el: Element) -> set[str]:
     """Names of the registers el or any element inside it may write."""
-    return el._cached("writes", lambda: _union(el, "own_writes", writes))
+    return el._cached_subtree("writes", lambda: _union(el, "own_writes", writes))
 
 
 def _union(el: Element, own: str, rec) -> frozenset:
@@ -52,7 +52,7 @@ def _union(el: Element, own: str, rec) -> frozenset:
 
 def can_step(el: Element) -> bool:
     """Whether running el can ever take a step (a leaf action)."""
-    return el._cached("can_step", lambda: _can_step(el))
+    return el._cached_subtree("can_step", lambda: _can_step(el))
 
 
 def _can_step(el: Element) -> bool:

@@ -64,7 +64,7 @@ from .compile import leaf_function
 from .elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
 from .errors import FlowError, RegisterError, SwitchError
 from .idle import Idle as _Idle
-from .paths import format_path
+from .paths import format_path, walk
 from .registers import Register, Registers
 
 
@@ -608,6 +608,18 @@ def running_in(el: Element) -> "tuple[Driver, str] | None":
                         return drv, format_path(path)
                 return drv, "(a paused WEAVE child)"
     return None
+
+
+def refresh_drivers_holding(el: Element) -> None:
+    """el was edited in place (flowvm.edit) while not running: drop what live drivers whose program
+    holds it derived from it (the next leaf's function, the fast paths, whether there is a WEAVE)."""
+    for drv in list(_DRIVERS):
+        if drv.done or not any(x is el for _, x in walk(drv.program)):
+            continue
+        drv._weave = _has_weave(drv.program)
+        drv._leaf = drv._fast = drv._fastseq = None
+        if drv._ready and drv._stack and not drv._stack[-1][0].is_leaf:
+            drv._ready = False  # the next leaf became a container: settle into it
 
 
 def _root_copy(program: Element) -> Element:

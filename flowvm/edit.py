@@ -509,6 +509,11 @@ def become(root: Element, edited: Element) -> Element:
     object.__setattr__(root, "__class__", type(edited))
     root.__dict__.clear()
     root.__dict__.update(edited.__getstate__())
+    from .driver import refresh_drivers_holding
+    from .elements import _EDITS
+
+    _EDITS[0] += 1  # the subtrees of everything holding root changed: their analyses are stale
+    refresh_drivers_holding(root)
     return root
 
 

@@ -19,6 +19,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from .registers import Register, iter_registers
 
 
+_EDITS = [0]  # in-place edits so far (flowvm.edit.become): subtree caches older than the last are stale
+
+
 class Element:
     """Base class of all elements."""
 
@@ -46,12 +49,25 @@ class Element:
         self.__dict__.update(state)
 
     def _cached(self, key: str, compute: Callable[[], Any]) -> Any:
+        """A cache of something derived from this element's own fields."""
         name = "_c_" + key
         try:
             return self.__dict__[name]
         except KeyError:
             value = self.__dict__[name] = compute()
             return value
+
+    def _cached_subtree(self, key: str, compute: Callable[[], Any]) -> Any:
+        """A cache of something derived from the whole subtree (registers read, say): an element edited
+        in place (``flowvm.edit``) changes the subtrees of everything holding it, so every such cache
+        is recomputed after any in-place edit."""
+        name = "_c_" + key
+        cached = self.__dict__.get(name)
+        if cached is not None and cached[0] == _EDITS[0]:
+            return cached[1]
+        value = compute()
+        self.__dict__[name] = (_EDITS[0], value)
+        return value
 
     # -- structure
     @property

@@ -429,7 +429,7 @@ class SPAWN(Element):
 
     def own_reads(self) -> list[Register]:
         """The registers the fragment needs from outside (those it may read before writing them)."""
-        return self._cached("outside_reads", self._outside_reads)
+        return self._cached_subtree("outside_reads", self._outside_reads)
 
     def _outside_reads(self) -> list[Register]:
         from .analysis import all_registers

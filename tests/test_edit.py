@@ -314,3 +314,44 @@ def test_an_element_a_driver_is_running_is_not_edited_in_place_under_it():
     assert reg["log"] == [("debug", 0), ("debug", 1), ("debug", "W"), ("debug", 2), ("debug", 3)]
     inner.at("0").insert_after(CALL(debug, reg("log"), "late"))  # once the run is over, in place again
     assert "late" in str(inner)
+
+
+def test_an_element_edited_in_place_changes_the_analysis_of_programs_holding_it():
+    from flowvm.analysis import can_step, info, reads, writes
+
+    reg = Registers(x=1)
+    inner = SEQ([CALL(double, reg("x"), store_to=reg("y"))])
+    outer = SEQ([inner, CALL(debug, [], "done")])
+    assert sorted(reads(outer)) == ["x"] and sorted(writes(outer)) == ["y"]  # cached on outer
+    inner.find(double).insert_after(CALL(double, reg("never_written"), store_to=reg("z")))
+    assert sorted(reads(outer)) == sorted(info(outer).reads) == ["never_written", "x"]
+    assert sorted(writes(outer)) == ["y", "z"]
+    with pytest.raises(flowvm.VerifyError, match="'never_written'"):
+        flowvm.verify(outer)
+    body = SEQ([CALL(double, 1)])
+    loop = LOOP(body)
+    assert can_step(loop)
+    body.find(double).remove()
+    with pytest.raises(flowvm.VerifyError, match="can never take a step"):
+        flowvm.verify(loop)
+
+
+def test_a_paused_driver_runs_an_element_edited_in_place_before_it_started_as_its_copies_do():
+    reg = Registers(log=[])
+    step = CALL(debug, reg("log"), "f")
+    drv = REPEAT(4, step).start()
+    drv.run(max_steps=2)  # paused with `step` next: entered, not started, so it may be edited in place
+    step.find(debug).replace_with(CALL(debug, reg("log"), "hook"))
+    copy_ = pickle.loads(pickle.dumps(drv))
+    drv.run()
+    copy_.run()
+    assert [v for _, v in reg["log"]] == [v for _, v in copy_.registers["log"]] == ["f", "f", "hook", "hook"]
+
+    reg = Registers(log=[])
+    later = SEQ([CALL(debug, reg("log"), "c1"), CALL(debug, reg("log"), "c2")])
+    drv = SEQ([CALL(debug, reg("log"), "a"), CALL(debug, reg("log"), "b"), later]).start()
+    drv.run(max_steps=1)  # `later` is not entered yet
+    later.find(where=lambda el: el is later).replace_with(
+        lambda old: WEAVE(-1, [old, SEQ([CALL(debug, reg("log"), "d1"), CALL(debug, reg("log"), "d2")])]))
+    drv.run()
+    assert [v for _, v in reg["log"]] == ["a", "b", "c1", "d1", "c2", "d2"]  # the new WEAVE interleaves
