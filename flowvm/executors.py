@@ -414,20 +414,28 @@ class _JobUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
 
 
-def run_job(payload: bytes) -> bytes:
+def run_job(payload: bytes, timeout: float | None = None) -> bytes:
     """Run in the child: the fragment over the shipped registers; its outcome as bytes.
 
     ("ok", value, written registers) or ("error", exception or None, traceback text, where).
+    With timeout, a fragment still running that long after it started here is stopped at its next
+    step boundary, and one that took longer is a SpawnTimeout too.
     """
     from .analysis import writes
-    from .driver import Driver
+    from .driver import INCOMPLETE, Driver
 
     where = f"process {os.getpid()} on {socket.gethostname()}"
     try:
         registers = _TrackingRegisters()
         fragment, shipped, _nonce = _JobUnpickler(payload, registers).load()
         dict.update(registers, shipped)
-        value = Driver(fragment).run()
+        drv = Driver(fragment)
+        started = time.monotonic()
+        value = drv.run(timeout=timeout)
+        took = time.monotonic() - started
+        if timeout is not None and (value is INCOMPLETE or took > timeout):
+            how = f"stopped after {drv.steps} steps" if value is INCOMPLETE else f"finished after {took:.2f} s"
+            raise SpawnTimeout(f"the fragment ran longer than the timeout of {timeout:g} s ({how}, in {where})")
         names = sorted(writes(fragment) & registers.written)
         outcome = ("ok", value, {n: registers[n] for n in names if n in registers})
         try:
@@ -471,17 +479,19 @@ class Job:
         self.future = future
         self.executor = executor
         self.started = time.monotonic()
+        self.running_since: float | None = None  # when the executor first reported the task running
         self._finalizer = weakref.finalize(self, _cancel, future)
 
     @classmethod
-    def submit(cls, fragment, spec, registers: Registers) -> "Job":
-        """Submit fragment, with the registers it reads, to the executor spec stands for."""
+    def submit(cls, fragment, spec, registers: Registers, timeout: float | None = None) -> "Job":
+        """Submit fragment, with the registers it reads, to the executor spec stands for (the worker
+        stops it at the first step boundary past timeout seconds of running, see run_job)."""
         from .analysis import reads
 
         executor = resolve_executor(spec)
         payload = job_payload(fragment, registers, sorted(reads(fragment)))
         try:
-            future = executor.submit(run_job, payload)
+            future = executor.submit(run_job, payload, timeout)
         except Exception as err:
             discard_broken(executor)
             raise SpawnError(f"the {executor_name(spec)} refused the fragment: "
@@ -490,6 +500,19 @@ class Job:
 
     def ready_future(self) -> cf.Future | None:
         return self.future if isinstance(self.future, cf.Future) else None
+
+    def overdue(self, timeout: float) -> bool:
+        """Whether the task still runs twice its timeout and a second after the executor reported it
+        running: the worker stops a fragment at a step boundary, so this one is inside a step that runs
+        on.  Counted from the report, not the submission, so time queued behind other tasks is free.
+        (A process pool reports a task running once it is queued for a worker, at most one task early;
+        futures that never report it, Dask's, rely on the worker's check alone.)"""
+        now = time.monotonic()
+        if self.running_since is None:
+            if self.future.running():
+                self.running_since = now
+            return False
+        return now - self.running_since > 2 * timeout + 1.0
 
     def cancel(self) -> None:
         """Cancel the task; one already running on the default pool retires that pool (see retire_running)."""

@@ -490,15 +490,16 @@ class SPAWN(Element):
         def leaf():
             job = live.get(key)
             if job is None:
-                live[key] = Job.submit(el.body, el.executor, registers)
+                live[key] = Job.submit(el.body, el.executor, registers, el.timeout)
                 return PENDING
             if not job.future.done():
-                if el.timeout is not None and time.monotonic() - job.started > el.timeout:
+                if el.timeout is not None and job.overdue(el.timeout):
                     del live[key]
                     job.cancel()
                     raise SpawnTimeout(f"the fragment ran longer than the timeout of {el.timeout:g} s on the "
-                                       f"{executor_name(el.executor)}; its task was cancelled (a fragment "
-                                       "already running in a process pool runs on, its result dropped)")
+                                       f"{executor_name(el.executor)}, inside one step (the worker stops it "
+                                       "only between steps); its task was cancelled (a fragment already "
+                                       "running in a process pool runs on, its result dropped)")
                 return PENDING
             del live[key]
             return job.finish(el.executor, el.store_to, registers)

@@ -317,12 +317,20 @@ def test_a_killed_worker_of_a_user_pool_is_a_clear_error():
             SPAWN(CALL(kill_myself), executor=ex).run()
 
 
-def test_timeout_bounds_the_fragment():
+def test_timeout_bounds_the_fragments_run_time_not_its_wait_for_a_worker():
     with cf.ThreadPoolExecutor(1) as ex:
         t0 = time.monotonic()
-        with pytest.raises(SpawnTimeout, match="timeout of 0.2 s"):
-            SPAWN(CALL(time.sleep, 0.7), executor=ex, timeout=0.2).run()
-        assert time.monotonic() - t0 < 0.6
+        with pytest.raises(SpawnTimeout, match=r"timeout of 0.2 s \(stopped after \d+ steps"):
+            SPAWN(REPEAT(10 ** 6, CALL(time.sleep, 0.01)), executor=ex, timeout=0.2).run()  # stopped in the worker
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(SpawnTimeout, match=r"timeout of 0.2 s \(finished after 0\.[4-9]"):
+            SPAWN(CALL(time.sleep, 0.4), executor=ex, timeout=0.2).run()  # one step longer than the timeout
+        # four 0.3 s fragments, one worker, timeout 0.5 s: the last waits 0.9 s for the worker, and is in time
+        trials = WEAVE(-1, [SPAWN(REPEAT(3, CALL(time.sleep, 0.1)), executor=ex, timeout=0.5) for _ in range(4)])
+        t0 = time.monotonic()
+        assert trials.run() == [None] * 4 and time.monotonic() - t0 >= 1.2
+        with pytest.raises(SpawnTimeout, match="inside one step"):  # a step that runs on: the parent stops it
+            SPAWN(CALL(time.sleep, 3.0), executor=ex, timeout=0.3).run()
 
 
 def test_fragments_that_timed_out_on_the_default_pool_do_not_block_later_spawns():
