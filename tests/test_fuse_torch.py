@@ -719,3 +719,13 @@ def test_auto_keeps_the_faster_form(monkeypatch, slower, kept):
     mc, me = rt.measured
     assert (mc < me) == (kept == "compiled")
     assert drv.steps == 30
+
+
+def test_a_call_used_at_two_places_names_both_of_its_paths_before_optimization():
+    reg = Registers(h=torch.ones(3), w=torch.ones(3, 3))
+    relu = CALL(F.relu, reg("h"), store_to=reg("h"))  # one element at paths 1.0 and 1.2
+    prog = SEQ([CALL(print, "start"), SEQ([relu, CALL(F.linear, reg("h"), reg("w"), store_to=reg("h")), relu])])
+    fast = optimize(prog, options={"fuse-torch": {"form": "eager"}})
+    fused = [el for _, el in walk(fast) if type(el) is FUSED][0]
+    assert fused.origins == ("1.0 or 1.2", "1.1", "1.0 or 1.2")
+    assert fused.detail_lines()[0] == "h = relu(h)  # was 1.0 or 1.2"

@@ -84,8 +84,9 @@ class PassContext:
     """What a pass may know about the pipeline it runs in (``current_context()``).
 
     ``original`` is the program given to optimize; ``origin(el, path)`` is the
-    path an element had in it (passes keep leaves as the same objects, so a
-    leaf found once in the original is found by identity), else ``path``.
+    path an element had in it, as text (passes keep leaves as the same objects,
+    so a leaf is found by identity; one used at several places gives them all,
+    "1.0 or 1.2"), else ``path`` (an element a pass made).
     """
 
     original: Element
@@ -95,14 +96,16 @@ class PassContext:
     def __post_init__(self) -> None:
         from ..paths import walk
 
-        seen: dict[int, Any] = {}
+        seen: dict[int, list] = {}
         for path, el in walk(self.original):
-            seen[id(el)] = None if id(el) in seen else path  # shared elements have no single origin
+            seen.setdefault(id(el), []).append(path)
         self._paths = seen
 
-    def origin(self, el: Element, path: tuple[int, ...]) -> tuple[int, ...]:
-        found = self._paths.get(id(el))
-        return found if found is not None else path
+    def origin(self, el: Element, path: tuple[int, ...]) -> str:
+        from ..paths import format_path
+
+        found = self._paths.get(id(el)) or [path]
+        return " or ".join(format_path(p) or "<root>" for p in found)
 
 
 _CONTEXT: contextvars.ContextVar[PassContext | None] = contextvars.ContextVar("flowvm_pass_context", default=None)

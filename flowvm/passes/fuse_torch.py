@@ -317,7 +317,7 @@ def _fuse_seq(el: SEQ, path: tuple[int, ...], settings: FuseSettings, ctx) -> El
 
     def flush():
         if len(run) >= 2:
-            origins = [format_path(ctx.origin(c, path + (i,)) if ctx else path + (i,)) for i, c in run]
+            origins = [ctx.origin(c, path + (i,)) if ctx else format_path(path + (i,)) for i, c in run]
             out.append(FUSED([c for _, c in run], origins, settings))
         else:
             out.extend(c for _, c in run)
