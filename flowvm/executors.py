@@ -205,6 +205,13 @@ def _kill_pool(pool) -> None:
     With its workers gone the pool's manager thread ends at once; it is waited
     for, so that concurrent.futures' own exit hook finds the pool closed.
     """
+    # Python 3.11's pool, finding its workers gone, sets an error on every task it still holds and
+    # fails (InvalidStateError, printed by its thread) on one that was cancelled: drop those first.
+    items = getattr(pool, "_pending_work_items", None)
+    if isinstance(items, dict):
+        for work_id, item in list(items.items()):
+            if item.future.cancelled():
+                items.pop(work_id, None)
     for proc in list((getattr(pool, "_processes", None) or {}).values()):
         try:
             proc.kill()

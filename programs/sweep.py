@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch  # noqa: F401  (the trials train torch models: without torch the program is refused at once)
 
 from flowvm import CALL, SEQ, SPAWN, WEAVE, Registers
 
