@@ -25,10 +25,10 @@ Per-iteration times are the best of ``5 x --repeats`` samples of ``iterations / 
 the samples interleave the variants so that machine load hits them alike.  Figures are reported, never asserted.  Results: bench/results/fuse.json.
 
 About target (a), optimized >= 2x faster than interpreted eager: the driver runs a REPEAT of a SEQ of
-plain CALLs in a tight loop, so the interpreted chain costs only about 10% more than the hand-written
+plain CALLs in a tight loop, so the interpreted chain costs only 5-10% more than the hand-written
 eager function.  Reaching 2x would take compiled code about twice as fast as eager kernels; on this
 CPU hand-written ``torch.compile`` is slower than eager for this chain (dynamo's guards), and the
-optimized step, which calls inductor's graph without them, is about 1.3x faster than hand eager.
+optimized step, which calls inductor's graph without them, is about 1.6x faster than hand eager.
 
 """
 
