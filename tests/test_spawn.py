@@ -323,7 +323,7 @@ def test_timeout_bounds_the_fragments_run_time_not_its_wait_for_a_worker():
         with pytest.raises(SpawnTimeout, match=r"timeout of 0.2 s \(stopped after \d+ steps"):
             SPAWN(REPEAT(10 ** 6, CALL(time.sleep, 0.01)), executor=ex, timeout=0.2).run()  # stopped in the worker
         assert time.monotonic() - t0 < 1.0
-        with pytest.raises(SpawnTimeout, match=r"timeout of 0.2 s \(finished after 0\.[4-9]"):
+        with pytest.raises(SpawnTimeout, match=r"timeout of 0.2 s \(finished after \d+\.\d+ s"):
             SPAWN(CALL(time.sleep, 0.4), executor=ex, timeout=0.2).run()  # one step longer than the timeout
         # four 0.3 s fragments, one worker, timeout 0.5 s: the last waits 0.9 s for the worker, and is in time
         trials = WEAVE(-1, [SPAWN(REPEAT(3, CALL(time.sleep, 0.1)), executor=ex, timeout=0.5) for _ in range(4)])
