@@ -586,7 +586,8 @@ _DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()  # drivers started in th
 
 
 def running_in(el: Element) -> "tuple[Driver, str] | None":
-    """A live driver of this process with a started frame of el, and that frame's path; else None.
+    """A live driver of this process with a started frame of el (a container in progress, a leaf that is
+    polling work it started), and that frame's path; else None.
 
     Editing el in place (``flowvm.edit``) would pull the children out from under such a frame.
     """
@@ -601,13 +602,30 @@ def running_in(el: Element) -> "tuple[Driver, str] | None":
     for drv in list(_DRIVERS):
         if drv.done:
             continue
+        live = drv.__dict__.get("_live") or {}
         for fr in frames(drv._stack):
-            if fr[0] is el and len(fr) > 1:
+            if fr[0] is el and (len(fr) > 1 or id(fr) in live):  # a container in progress, a polling leaf
                 for path, frame in drv.frame_paths():
                     if frame is fr:
                         return drv, format_path(path)
                 return drv, "(a paused WEAVE child)"
     return None
+
+
+def drivers_mid_step() -> "list[Driver]":
+    """The drivers whose step is running now in this thread, further up the call stack: an edit made from
+    there comes from one of their own CALLs.  Their tight loops keep the functions of the leaves they run,
+    and their frames are in the middle of a move, so such an edit is refused (flowvm.edit)."""
+    codes = {Driver.step.__code__, Driver._drive.__code__}
+    found = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            drv = frame.f_locals.get("self")
+            if isinstance(drv, Driver) and drv not in found:
+                found.append(drv)
+        frame = frame.f_back
+    return found
 
 
 def refresh_drivers_holding(el: Element) -> None:
@@ -626,6 +644,8 @@ def _root_copy(program: Element) -> Element:
     """A new root object with the same fields and caches (compiled functions stay shared)."""
     root = object.__new__(type(program))
     root.__dict__.update(program.__dict__)
+    if "_overrides" in root.__dict__:  # its own table: overrides set on the program later do not reach the run
+        root.__dict__["_overrides"] = dict(root.__dict__["_overrides"])
     return root
 
 

@@ -229,6 +229,11 @@ class Matches(Sequence):
         if isinstance(self.target, Driver):
             from .hotpatch import patch_driver
 
+            from .driver import drivers_mid_step
+
+            if self.target in drivers_mid_step():
+                raise EditError(f"the driver is running a step (step {self.target.steps}): a patch made by a "
+                                "CALL of that run is refused; patch it between steps")
             if self.target.program is not self.program:
                 raise EditError(f"the driver's program has changed since these matches of {self.description} "
                                 "were found (a patch replaces it): call find() or at() again")
@@ -244,8 +249,15 @@ class Matches(Sequence):
             if here is not m.element:
                 raise EditError(f"the program has changed since these matches of {self.description} were "
                                 "found (another edit moved them): call find() or at() again", m.path_text)
-        from .driver import running_in
+        from .driver import drivers_mid_step, running_in
 
+        for busy in drivers_mid_step():
+            if not busy.done and any(x is self.target for _, x in walk(busy.program)):
+                from .printer import describe
+
+                raise EditError(f"{describe(self.target)} is part of the program a driver is running a step of "
+                                f"(step {busy.steps}): an edit made by a CALL of that run is refused; edit "
+                                "between steps (or patch the run through the driver, drv.find(...))")
         live = running_in(self.target)
         if live is not None:
             from .printer import describe

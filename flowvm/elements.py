@@ -14,9 +14,12 @@ together they are all that tree walkers and editors need.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from .registers import Register, iter_registers
+
+if TYPE_CHECKING:
+    from .driver import Driver
 
 
 _EDITS = [0]  # in-place edits so far (flowvm.edit.become): subtree caches older than the last are stale
@@ -88,7 +91,7 @@ class Element:
         return []
 
     # -- running
-    def start(self) -> "Driver":  # noqa: F821
+    def start(self) -> "Driver":
         """Return a resumable Driver for this program; nothing runs yet."""
         from .driver import Driver
 

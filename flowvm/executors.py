@@ -50,6 +50,7 @@ _pool = None  # the default pool, created on first use
 _pool_pid = None  # the process that created it: a forked child must leave it alone
 _exit_hook_installed = False
 _retired: dict = {}  # former default pools -> their abandoned futures (killed when the rest is done, or at exit)
+_watched: dict = {}  # retired pools -> their futures that already have a _kill_when_idle callback
 _named: dict[str, Any] = {}
 _by_token: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 
@@ -176,6 +177,7 @@ def shutdown_default_executor(kill: bool = False) -> None:
         retired = list(_retired) if kill else []
         for old in retired:
             del _retired[old]
+            _watched.pop(old, None)
     for old in retired:
         _kill_pool(old)
     if pool is None:
@@ -191,6 +193,7 @@ def _forget_in_child() -> None:
     global _pool, _pool_pid, _lock
     _pool = _pool_pid = None
     _retired.clear()
+    _watched.clear()
     _lock = threading.RLock()  # the parent's may have been held by another thread at the fork
 
 
@@ -259,11 +262,15 @@ def _kill_when_idle(pool) -> None:
         others = [wi.future for wi in items if wi.future not in abandoned and not wi.future.done()]
         if not others:
             del _retired[pool]
+        watched = _watched.setdefault(pool, set())
+        fresh = [f for f in others if f not in watched]
+        watched.update(fresh)
     if others:
-        for f in others:  # callbacks run on the pool's own thread, which _kill_pool waits for
+        for f in fresh:  # one callback per task; callbacks run on the pool's own thread, which _kill_pool joins
             f.add_done_callback(lambda _, pool=pool: threading.Thread(target=_kill_when_idle, args=(pool,),
                                                                        daemon=True).start())
         return
+    _watched.pop(pool, None)
     _kill_pool(pool)
 
 

@@ -86,7 +86,11 @@ def _may_write(el: Element) -> frozenset:
     """The registers el may write when it runs: ``writes(el)`` less what sits in a part that never
     runs (the body of a REPEAT or BUFFER whose count is the literal 0, the children of a WEAVE(0))."""
     if el.is_leaf:
-        return frozenset(writes(el))
+        if not el.children:
+            return frozenset(writes(el))
+        # a leaf running a fragment (SPAWN): its own writes beyond the fragment's, and what the fragment may
+        inside = frozenset().union(*(writes(c) for c in el.children))
+        return (frozenset(writes(el)) - inside).union(*(_may_write(c) for c in el.children))
     own = frozenset(r.name for r in el.own_writes())
     if isinstance(el, (REPEAT, BUFFER)) and isinstance(el.n, int) and el.n == 0:
         return own
@@ -101,7 +105,7 @@ def _check(el: Element, path: tuple, before: frozenset, program: Element) -> fro
         for i, child in enumerate(el.children):  # a leaf running a fragment (SPAWN): name the reader in it
             _check(child, path + (i,), before, program)
         _check_reads(el, path, before, program)
-        return before | {r.name for r in el.own_writes()}
+        return before | (_may_write(el) if el.children else {r.name for r in el.own_writes()})
     if isinstance(el, SEQ):
         for i, child in enumerate(el.elements):
             before = _check(child, path + (i,), before, program)

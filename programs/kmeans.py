@@ -90,6 +90,8 @@ def build(samples: int = 5000, clusters: int = 6, dim: int = 2, spread: float = 
     """k-means with `restarts` k-means++ starts on `samples` points in `clusters` Gaussian blobs."""
     check_options("kmeans", counts=dict(samples=samples, clusters=clusters, dim=dim, restarts=restarts,
                                         max_iter=max_iter), positive=dict(spread=spread))
+    if samples < clusters:
+        raise ValueError(f"kmeans: {clusters} clusters need at least as many samples, got samples={samples}")
     x, true_centers = make_blobs(samples, clusters, dim, spread, seed)
     reg = Registers(x=x, true_centers=true_centers, best=None)
     run = Lloyd(clusters, tol, max_iter, seed + 1)

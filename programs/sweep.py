@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch  # noqa: F401  (the trials train torch models: without torch the program is refused at once)
+import torch  # the trials train torch models: without torch the program is refused at once
 
 from flowvm import CALL, SEQ, SPAWN, WEAVE, Registers
+from flowvm.programs import check_options
 
 SHOW = ["best_accuracy"]
 
@@ -42,8 +43,6 @@ def draw_configs(trials: int, epochs: int, samples: int, seed: int) -> list[dict
 
 def run_trial(config: dict) -> dict:
     """Train the mlp program with config to the end (on one torch thread); its accuracy, loss and weights."""
-    import torch
-
     from flowvm.programs import mlp
 
     threads = torch.get_num_threads()
@@ -70,8 +69,7 @@ def accuracy_of(result: dict) -> float:
 
 def build(trials: int = 4, epochs: int = 5, samples: int = 3000, executor: str | None = None, seed: int = 0):
     """Random search over `trials` MLP configurations trained for `epochs` epochs, all trials in parallel."""
-    if trials < 1:
-        raise ValueError(f"sweep: trials must be >= 1, got {trials}")
+    check_options("sweep", counts=dict(trials=trials, epochs=epochs, samples=samples))
     configs = draw_configs(trials, epochs, samples, seed)
     reg = Registers({f"config_{i}": c for i, c in enumerate(configs)})
     results = [reg(f"trial_{i}") for i in range(trials)]

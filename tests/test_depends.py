@@ -208,3 +208,15 @@ def test_fusing_torch_calls_keeps_the_overrides_and_namespace_of_their_seq():
     assert reg["w"] == "override"
     marked = flowvm.optimize(SEQ([sub.isolate("n"), CALL(show, 2)]), options={"fuse-torch": {"form": "eager"}})
     assert "FUSED" in str(marked) and marked.elements[0].scope is not None
+
+
+def test_a_driver_keeps_the_overrides_its_program_had_when_it_started():
+    for touched in (False, True):
+        reg = Registers()
+        prog = SEQ([CALL(describe, Depends(get_device), store_to=reg("d"))])
+        if touched:
+            prog.dependency_overrides  # noqa: B018 - reading it creates the (empty) table
+        drv = prog.start()
+        prog.dependency_overrides[get_device] = cpu  # set on the program after start()
+        drv.run()
+        assert reg["d"] == "cuda:0" and drv.program.dependency_overrides is not prog.dependency_overrides

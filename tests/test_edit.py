@@ -355,3 +355,53 @@ def test_a_paused_driver_runs_an_element_edited_in_place_before_it_started_as_it
         lambda old: WEAVE(-1, [old, SEQ([CALL(debug, reg("log"), "d1"), CALL(debug, reg("log"), "d2")])]))
     drv.run()
     assert [v for _, v in reg["log"]] == ["a", "b", "c1", "d1", "c2", "d2"]  # the new WEAVE interleaves
+
+
+def test_a_leaf_polling_work_it_started_is_not_edited_in_place_under_its_driver():
+    import sys
+
+    from flowvm import POPEN
+
+    reg = Registers(log=[])
+    proc = POPEN([sys.executable, "-c", "import time; time.sleep(0.5)"], store_to=reg("rc"))
+    drv = SEQ([proc, CALL(debug, reg("log"), "after")]).start()
+    drv.step()  # launched: each later step polls it
+    with pytest.raises(EditError, match=r"POPEN .* is running in a driver \(step 1, at path '0'\)"):
+        proc.find(POPEN).replace_with(CALL(debug, reg("log"), "replacement"))
+    drv.run()
+    assert reg["rc"] == 0 and [v for _, v in reg["log"]] == ["after"] and drv.live == {}
+
+
+def test_an_edit_made_by_a_call_of_the_running_program_is_refused_alike_by_step_and_run():
+    def build():
+        reg = Registers(log=[], k=0)
+        work = CALL(debug, reg("log"), "old")
+        outcome = []
+
+        def installer(k, drv_box):
+            if k == 1:
+                try:
+                    work.find(debug).replace_with(CALL(debug, reg("log"), "new"))
+                except EditError as err:
+                    outcome.append(("program", str(err)))
+                try:
+                    drv_box[0].find(debug).insert_after(PRINT("x"))
+                except EditError as err:
+                    outcome.append(("driver", str(err)))
+            return k + 1
+
+        box = []
+        drv = REPEAT(3, SEQ([CALL(installer, reg("k"), box, store_to=reg("k")), work])).start()
+        box.append(drv)
+        return drv, reg, outcome
+
+    for how in ("step", "run", "timeout"):
+        drv, reg, outcome = build()
+        if how == "step":
+            while drv.step() is flowvm.INCOMPLETE:
+                pass
+        else:
+            drv.run(timeout=30 if how == "timeout" else None)
+        assert [v for _, v in reg["log"]] == ["old"] * 3, how
+        assert [w for w, _ in outcome] == ["program", "driver"], how
+        assert "a CALL of that run is refused" in outcome[0][1] and "patch it between steps" in outcome[1][1]

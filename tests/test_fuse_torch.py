@@ -729,3 +729,15 @@ def test_a_call_used_at_two_places_names_both_of_its_paths_before_optimization()
     fused = [el for _, el in walk(fast) if type(el) is FUSED][0]
     assert fused.origins == ("1.0 or 1.2", "1.1", "1.0 or 1.2")
     assert fused.detail_lines()[0] == "h = relu(h)  # was 1.0 or 1.2"
+
+
+def test_a_fused_step_keeps_the_calls_it_was_made_from_when_the_originals_are_edited_in_place():
+    reg = Registers(x=torch.zeros(2))
+    first = CALL(torch.add, reg("x"), 1.0, store_to=reg("x"))
+    prog = SEQ([first, CALL(torch.mul, reg("x"), 2.0, store_to=reg("x"))])
+    fast = optimize(prog, options={"fuse-torch": {"form": "eager"}})
+    listing = str(fast)
+    first.find(CALL).replace_with(CALL(torch.sub, reg("x"), 1.0, store_to=reg("y")))  # the original, in place
+    assert str(fast) == listing and sorted(writes(fast)) == ["x"]
+    fast.run()
+    assert same(reg["x"], torch.full((2,), 2.0)) and "y" not in reg  # (0 + 1) * 2: the calls as fused

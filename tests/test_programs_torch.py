@@ -171,6 +171,8 @@ def test_lbfgs_listing():
     ("mlp", {"lr": "fast"}, TypeError, "mlp: lr must be a number > 0, got str 'fast'"),
     ("rbm", {"batch_size": 2.5}, TypeError, "rbm: batch_size must be an int >= 1"),
     ("lbfgs", {"max_iter": 0}, ValueError, "lbfgs: max_iter must be >= 1"),
+    ("sweep", {"epochs": 0}, ValueError, "sweep: epochs must be >= 1"),
+    ("kmeans", {"samples": 3}, ValueError, "kmeans: 6 clusters need at least as many samples, got samples=3"),
 ])
 def test_builders_refuse_options_that_leave_nothing_to_run_naming_the_option(module, options, error, text):
     import importlib

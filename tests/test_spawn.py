@@ -363,6 +363,26 @@ def test_a_retired_pool_is_killed_as_soon_as_its_work_that_was_not_abandoned_is_
     assert not any(w.is_alive() for w in workers) and pool not in executors._retired  # the runaway is gone
 
 
+def test_a_retired_pool_looks_again_once_per_finished_task(monkeypatch):
+    from flowvm import executors
+
+    pool = cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver"))
+    monkeypatch.setattr(executors, "_pool", pool)
+    runaway = pool.submit(time.sleep, 60)
+    queued = [pool.submit(time.sleep, 0.05) for _ in range(12)]  # waiting behind it, on the other worker
+    while not runaway.running():
+        time.sleep(0.01)
+    looks = []
+    original = executors._kill_when_idle
+    monkeypatch.setattr(executors, "_kill_when_idle", lambda p: (looks.append(1), original(p)))
+    executors.retire_running(pool, runaway)
+    cf.wait(queued, timeout=30)
+    deadline = time.monotonic() + 10
+    while pool in executors._retired and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool not in executors._retired and len(looks) <= len(queued) + 1  # not one per task per look
+
+
 # ----------------------------------------------------------------- copies and lifetime
 def test_a_copy_made_in_flight_submits_the_fragment_again(tmp_path):
     log = tmp_path / "runs"

@@ -70,6 +70,11 @@ def test_a_body_repeated_zero_times_writes_nothing():
             else WEAVE(1, [CALL(toy.const, 3), SEQ([inside, CALL(toy.inc, reg("q"))])])
         with pytest.raises(VerifyError, match="'q'"):
             verify(prog)
+    from flowvm import SPAWN
+
+    with pytest.raises(VerifyError, match="'q'"):  # inside a fragment run elsewhere, too
+        verify(SEQ([SPAWN(never, store_to=reg("s")), CALL(toy.inc, reg("q"))]))
+    verify(SEQ([SPAWN(never, store_to=reg("s")), PRINT(reg("s"))]))  # the SPAWN's own value is stored
 
 
 def test_while_condition_sees_only_earlier_writes():

@@ -33,6 +33,8 @@ True
 
 from __future__ import annotations
 
+import copy
+
 import functools
 import sys
 import types
@@ -318,7 +320,9 @@ def _fuse_seq(el: SEQ, path: tuple[int, ...], settings: FuseSettings, ctx) -> El
     def flush():
         if len(run) >= 2:
             origins = [ctx.origin(c, path + (i,)) if ctx else format_path(path + (i,)) for i, c in run]
-            out.append(FUSED([c for _, c in run], origins, settings))
+            # copies: the fused step is compiled from these calls, so a later in-place edit of the
+            # original CALL objects (flowvm.edit) must not change them under it
+            out.append(FUSED([copy.copy(c) for _, c in run], origins, settings))
         else:
             out.extend(c for _, c in run)
         run.clear()
