@@ -51,6 +51,9 @@ _pool_pid = None  # the process that created it: a forked child must leave it al
 _exit_hook_installed = False
 _retired: dict = {}  # former default pools -> their abandoned futures (killed when the rest is done, or at exit)
 _watched: dict = {}  # retired pools -> their futures that already have a _kill_when_idle callback
+_start_reports: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # default pools -> their start queue
+_started: dict[bytes, float] = {}  # task nonce -> when a worker started it (drained from the start queues)
+_report_start = None  # in a default pool's worker: puts (nonce, start time) on the pool's start queue
 _named: dict[str, Any] = {}
 _by_token: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 
@@ -106,8 +109,10 @@ def default_executor():
 
             methods = multiprocessing.get_all_start_methods()
             ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+            started = ctx.SimpleQueue()  # the workers tell when a task with a timeout starts (Job.overdue)
             _pool = ProcessPoolExecutor(max_workers=default_workers(), mp_context=ctx,
-                                        initializer=worker_setup, initargs=(os.getpid(),))
+                                        initializer=worker_setup, initargs=(os.getpid(), started))
+            _start_reports[_pool] = started
             _pool_pid = os.getpid()
             if not _exit_hook_installed:
                 # concurrent.futures joins its pools before atexit callbacks run, waiting for
@@ -126,8 +131,9 @@ def default_executor():
         return _pool
 
 
-def worker_setup(parent: int) -> None:
-    """Run in each worker of the default pool when it starts; parent is the pid of the pool's owner.
+def worker_setup(parent: int, started=None) -> None:
+    """Run in each worker of the default pool when it starts; parent is the pid of the pool's owner,
+    started a queue on which run_job reports when a task with a timeout starts.
 
     - Ctrl-C in a terminal signals the whole process group, workers included:
       the parent decides what a SIGINT means (save and stop), so workers
@@ -138,6 +144,8 @@ def worker_setup(parent: int) -> None:
     """
     import signal
 
+    global _report_start
+    _report_start = started.put if started is not None else None
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
@@ -382,7 +390,7 @@ class _JobPickler(_Pickler):
         return "flowvm.registers" if obj is self._registers else None
 
 
-def job_payload(fragment, registers: Registers, names) -> bytes:
+def job_payload(fragment, registers: Registers, names, nonce: bytes | None = None) -> bytes:
     """The bytes a child needs: fragment, the values of the named registers, a nonce.
 
     The nonce makes every submission unique, so executors that deduplicate
@@ -391,7 +399,7 @@ def job_payload(fragment, registers: Registers, names) -> bytes:
     shipped = {n: registers[n] for n in names if n in registers}
     buf = io.BytesIO()
     try:
-        _JobPickler(buf, registers).dump((fragment, shipped, os.urandom(8)))
+        _JobPickler(buf, registers).dump((fragment, shipped, nonce or os.urandom(8)))
     except Exception as err:
         for name, value in shipped.items():  # name the register at fault, when one is
             try:
@@ -441,7 +449,9 @@ def run_job(payload: bytes, timeout: float | None = None) -> bytes:
     where = f"process {os.getpid()} on {socket.gethostname()}"
     try:
         registers = _TrackingRegisters()
-        fragment, shipped, _nonce = _JobUnpickler(payload, registers).load()
+        fragment, shipped, nonce = _JobUnpickler(payload, registers).load()
+        if timeout is not None and _report_start is not None:
+            _report_start((nonce, time.monotonic()))  # the parent counts the timeout from here
         dict.update(registers, shipped)
         drv = Driver(fragment)
         started = time.monotonic()
@@ -474,6 +484,21 @@ def run_job(payload: bytes, timeout: float | None = None) -> bytes:
         return pickle_bytes(("error", err, text, where))
 
 
+def _start_of(reports, nonce: bytes | None) -> float | None:
+    """When a default-pool worker started the task with this nonce (None: not yet), from its reports."""
+    with _lock:
+        try:
+            while not reports.empty():
+                n, t = reports.get()
+                _started[n] = t
+        except (OSError, EOFError, ValueError):  # the pool is gone
+            pass
+        if len(_started) > 10_000:  # reports of tasks nobody asks about any more (abandoned)
+            for n in list(_started)[:5_000]:
+                del _started[n]
+        return _started.pop(nonce, None)
+
+
 def decode_outcome(data: bytes):
     return pickle.loads(data)
 
@@ -489,9 +514,10 @@ def _cancel(future: cf.Future) -> None:
 class Job:
     """A submitted SPAWN fragment: the live handle, cancelled when dropped."""
 
-    def __init__(self, future: cf.Future, executor):
+    def __init__(self, future: cf.Future, executor, nonce: bytes | None = None):
         self.future = future
         self.executor = executor
+        self.nonce = nonce
         self.started = time.monotonic()
         self.running_since: float | None = None  # when the executor first reported the task running
         self._finalizer = weakref.finalize(self, _cancel, future)
@@ -503,27 +529,32 @@ class Job:
         from .analysis import reads
 
         executor = resolve_executor(spec)
-        payload = job_payload(fragment, registers, sorted(reads(fragment)))
+        nonce = os.urandom(8)
+        payload = job_payload(fragment, registers, sorted(reads(fragment)), nonce)
         try:
             future = executor.submit(run_job, payload, timeout)
         except Exception as err:
             discard_broken(executor)
             raise SpawnError(f"the {executor_name(spec)} refused the fragment: "
                              f"{type(err).__name__}: {err}") from err
-        return cls(future, executor)
+        return cls(future, executor, nonce)
 
     def ready_future(self) -> cf.Future | None:
         return self.future if isinstance(self.future, cf.Future) else None
 
     def overdue(self, timeout: float) -> bool:
-        """Whether the task still runs twice its timeout and a second after the executor reported it
-        running: the worker stops a fragment at a step boundary, so this one is inside a step that runs
-        on.  Counted from the report, not the submission, so time queued behind other tasks is free.
-        (A process pool reports a task running once it is queued for a worker, at most one task early;
-        futures that never report it, Dask's, rely on the worker's check alone.)"""
+        """Whether the task still runs twice its timeout and a second after it started: the worker stops
+        a fragment at a step boundary, so this one is inside a step that runs on.  Counted from its
+        start, so time queued behind other tasks is free.  The default pool's workers report the start;
+        other executors' futures say when they run (a user's process pool says so once a task is
+        queued for a worker, at most one task early); futures that never do, Dask's, rely on the
+        worker's check alone."""
         now = time.monotonic()
         if self.running_since is None:
-            if self.future.running():
+            reports = _start_reports.get(self.executor)
+            if reports is not None:
+                self.running_since = _start_of(reports, self.nonce)
+            elif self.future.running():
                 self.running_since = now
             return False
         return now - self.running_since > 2 * timeout + 1.0

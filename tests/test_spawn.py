@@ -333,6 +333,15 @@ def test_timeout_bounds_the_fragments_run_time_not_its_wait_for_a_worker():
             SPAWN(CALL(time.sleep, 3.0), executor=ex, timeout=0.3).run()
 
 
+def test_on_the_default_pool_a_timeout_counts_from_the_fragments_start_in_a_worker():
+    from flowvm.executors import default_workers
+
+    busy = [SPAWN(CALL(time.sleep, 2.5)) for _ in range(default_workers())]  # every worker taken
+    queued = SPAWN(REPEAT(5, CALL(time.sleep, 0.05)), timeout=0.5)  # waits 2.5 s, then runs 0.25 s
+    t0 = time.monotonic()
+    assert WEAVE(-1, busy + [queued]).run()[-1] is None and time.monotonic() - t0 >= 2.5
+
+
 def test_fragments_that_timed_out_on_the_default_pool_do_not_block_later_spawns():
     """A running task cannot be stopped inside a pool: the pool is retired instead of left clogged."""
     for _ in range(3):  # more runaway fragments than the pool has workers
