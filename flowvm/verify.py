@@ -88,9 +88,10 @@ def _may_write(el: Element) -> frozenset:
     if el.is_leaf:
         if not el.children:
             return frozenset(writes(el))
-        # a leaf running a fragment (SPAWN): its own writes beyond the fragment's, and what the fragment may
-        inside = frozenset().union(*(writes(c) for c in el.children))
-        return (frozenset(writes(el)) - inside).union(*(_may_write(c) for c in el.children))
+        # a leaf running a fragment (SPAWN): its own value's register, and what the fragment may write
+        store_to = getattr(el, "store_to", None)
+        own = frozenset([store_to.name]) if store_to is not None else frozenset()
+        return own.union(*(_may_write(c) for c in el.children))
     own = frozenset(r.name for r in el.own_writes())
     if isinstance(el, (REPEAT, BUFFER)) and isinstance(el.n, int) and el.n == 0:
         return own

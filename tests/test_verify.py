@@ -75,6 +75,7 @@ def test_a_body_repeated_zero_times_writes_nothing():
     with pytest.raises(VerifyError, match="'q'"):  # inside a fragment run elsewhere, too
         verify(SEQ([SPAWN(never, store_to=reg("s")), CALL(toy.inc, reg("q"))]))
     verify(SEQ([SPAWN(never, store_to=reg("s")), PRINT(reg("s"))]))  # the SPAWN's own value is stored
+    verify(SEQ([SPAWN(never, store_to=reg("q")), PRINT(reg("q"))]))  # also where the fragment writes it too
 
 
 def test_while_condition_sees_only_earlier_writes():
