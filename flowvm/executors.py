@@ -53,6 +53,9 @@ _retired: dict = {}  # former default pools -> their abandoned futures (killed w
 _watched: dict = {}  # retired pools -> their futures that already have a _kill_when_idle callback
 _start_reports: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # default pools -> their start queue
 _started: dict[bytes, float] = {}  # task nonce -> when a worker started it (drained from the start queues)
+_awaited: set[bytes] = set()  # nonces of default-pool tasks whose SPAWN still waits on them
+_nonce_of: "weakref.WeakKeyDictionary[cf.Future, bytes]" = weakref.WeakKeyDictionary()  # default-pool tasks
+_moved: "weakref.WeakSet[cf.Future]" = weakref.WeakSet()  # tasks left unstarted on a retired pool
 _report_start = None  # in a default pool's worker: puts (nonce, start time) on the pool's start queue
 _named: dict[str, Any] = {}
 _by_token: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
@@ -109,7 +112,7 @@ def default_executor():
 
             methods = multiprocessing.get_all_start_methods()
             ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-            started = ctx.SimpleQueue()  # the workers tell when a task with a timeout starts (Job.overdue)
+            started = ctx.SimpleQueue()  # the workers tell when each task starts (Job.overdue, _move_unstarted)
             _pool = ProcessPoolExecutor(max_workers=default_workers(), mp_context=ctx,
                                         initializer=worker_setup, initargs=(os.getpid(), started))
             _start_reports[_pool] = started
@@ -257,7 +260,27 @@ def retire_running(executor, future: cf.Future | None = None) -> None:
             return
         if future is not None:
             _retired[executor].add(future)
+        _move_unstarted(executor)
     _kill_when_idle(executor)
+
+
+def _move_unstarted(pool) -> None:
+    """The tasks of a retired pool that no worker has started may wait there behind abandoned ones for
+    ever: they are cancelled where possible and marked moved, and their SPAWNs submit them again to the
+    fresh default pool (a task that starts on the old pool meanwhile runs twice: at least once)."""
+    reports = _start_reports.get(pool)
+    if reports is None:
+        return
+    _drain(reports)
+    abandoned = _retired[pool]
+    for item in list((getattr(pool, "_pending_work_items", None) or {}).values()):
+        fut = item.future
+        nonce = _nonce_of.get(fut)
+        if fut in abandoned or fut.done() or nonce is None or nonce in _started:
+            continue
+        fut.cancel()  # refused for the one a pool has queued for a worker already: it is left behind
+        _moved.add(fut)
+        abandoned.add(fut)
 
 
 def _kill_when_idle(pool) -> None:
@@ -450,8 +473,8 @@ def run_job(payload: bytes, timeout: float | None = None) -> bytes:
     try:
         registers = _TrackingRegisters()
         fragment, shipped, nonce = _JobUnpickler(payload, registers).load()
-        if timeout is not None and _report_start is not None:
-            _report_start((nonce, time.monotonic()))  # the parent counts the timeout from here
+        if _report_start is not None:  # the parent counts a timeout from here, and leaves started tasks be
+            _report_start((nonce, time.monotonic()))
         dict.update(registers, shipped)
         drv = Driver(fragment)
         started = time.monotonic()
@@ -484,19 +507,28 @@ def run_job(payload: bytes, timeout: float | None = None) -> bytes:
         return pickle_bytes(("error", err, text, where))
 
 
+def _drain(reports) -> None:
+    """Move a default pool's start reports into _started (the caller holds _lock)."""
+    try:
+        while not reports.empty():
+            n, t = reports.get()
+            if n in _awaited:  # else its SPAWN is already over
+                _started[n] = t
+    except (OSError, EOFError, ValueError):  # the pool is gone
+        pass
+
+
 def _start_of(reports, nonce: bytes | None) -> float | None:
     """When a default-pool worker started the task with this nonce (None: not yet), from its reports."""
     with _lock:
-        try:
-            while not reports.empty():
-                n, t = reports.get()
-                _started[n] = t
-        except (OSError, EOFError, ValueError):  # the pool is gone
-            pass
-        if len(_started) > 10_000:  # reports of tasks nobody asks about any more (abandoned)
-            for n in list(_started)[:5_000]:
-                del _started[n]
-        return _started.pop(nonce, None)
+        _drain(reports)
+        return _started.get(nonce)
+
+
+def _forget(nonce: bytes | None) -> None:
+    """The task is over for its SPAWN (finished, cancelled, dropped): its start report is not needed."""
+    _started.pop(nonce, None)
+    _awaited.discard(nonce)
 
 
 def decode_outcome(data: bytes):
@@ -504,7 +536,8 @@ def decode_outcome(data: bytes):
 
 
 # ----------------------------------------------------------------- the parent's handle
-def _cancel(future: cf.Future) -> None:
+def _cancel(future: cf.Future, nonce: bytes | None = None) -> None:
+    _forget(nonce)
     try:
         future.cancel()
     except Exception:  # pragma: no cover - never raise from a finalizer
@@ -520,7 +553,9 @@ class Job:
         self.nonce = nonce
         self.started = time.monotonic()
         self.running_since: float | None = None  # when the executor first reported the task running
-        self._finalizer = weakref.finalize(self, _cancel, future)
+        self._finalizer = weakref.finalize(self, _cancel, future, nonce)
+        if nonce is not None and executor in _start_reports:
+            _nonce_of[future] = nonce
 
     @classmethod
     def submit(cls, fragment, spec, registers: Registers, timeout: float | None = None) -> "Job":
@@ -531,9 +566,12 @@ class Job:
         executor = resolve_executor(spec)
         nonce = os.urandom(8)
         payload = job_payload(fragment, registers, sorted(reads(fragment)), nonce)
+        if executor in _start_reports:
+            _awaited.add(nonce)  # before the worker can report its start
         try:
             future = executor.submit(run_job, payload, timeout)
         except Exception as err:
+            _awaited.discard(nonce)
             discard_broken(executor)
             raise SpawnError(f"the {executor_name(spec)} refused the fragment: "
                              f"{type(err).__name__}: {err}") from err
@@ -559,6 +597,15 @@ class Job:
             return False
         return now - self.running_since > 2 * timeout + 1.0
 
+    def moved(self) -> bool:
+        """Whether the task was left unstarted on a retired pool: its SPAWN submits it again."""
+        return self.future in _moved
+
+    def drop(self) -> None:
+        """Forget a moved task (its copy on the retired pool is abandoned)."""
+        self._finalizer.detach()
+        _forget(self.nonce)
+
     def cancel(self) -> None:
         """Cancel the task; one already running on the default pool retires that pool (see retire_running)."""
         self._finalizer()
@@ -568,6 +615,7 @@ class Job:
     def finish(self, spec, store_to, registers: Registers) -> Any:
         """The fragment's value, its written registers merged into registers; or its error raised."""
         self._finalizer.detach()
+        _forget(self.nonce)
         where = executor_name(spec)
         try:
             data = self.future.result()

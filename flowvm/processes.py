@@ -492,6 +492,10 @@ class SPAWN(Element):
             if job is None:
                 live[key] = Job.submit(el.body, el.executor, registers, el.timeout)
                 return PENDING
+            if job.moved():  # left unstarted on a retired pool: to the fresh one
+                job.drop()
+                live[key] = Job.submit(el.body, el.executor, registers, el.timeout)
+                return PENDING
             if not job.future.done():
                 if el.timeout is not None and job.overdue(el.timeout):
                     del live[key]

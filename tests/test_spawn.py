@@ -342,6 +342,30 @@ def test_on_the_default_pool_a_timeout_counts_from_the_fragments_start_in_a_work
     assert WEAVE(-1, busy + [queued]).run()[-1] is None and time.monotonic() - t0 >= 2.5
 
 
+def sleep_the_first_time(marker):
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(600)  # a step that never ends (a deadlock, say), on the first run only
+    return "again"
+
+
+def test_fragments_queued_behind_abandoned_ones_move_to_the_fresh_pool(tmp_path):
+    from flowvm.executors import default_workers
+
+    reg = Registers()
+    stuck = [SPAWN(CALL(sleep_the_first_time, str(tmp_path / str(i))), timeout=0.3) for i in range(default_workers())]
+    queued = SPAWN(REPEAT(3, CALL(time.sleep, 0.05)), timeout=1.0, store_to=reg("q"))
+    drv = WEAVE(-1, stuck + [queued]).start()
+    t0, timeouts = time.monotonic(), 0
+    while not drv.done and time.monotonic() - t0 < 60:
+        try:
+            drv.run(timeout=60)
+        except SpawnTimeout:  # each stuck one, cancelled by the parent; the next step submits it again
+            timeouts += 1
+    assert drv.done and drv.result == ["again"] * default_workers() + [None] and timeouts == default_workers()
+    assert time.monotonic() - t0 < 20
+
+
 def test_fragments_that_timed_out_on_the_default_pool_do_not_block_later_spawns():
     """A running task cannot be stopped inside a pool: the pool is retired instead of left clogged."""
     for _ in range(3):  # more runaway fragments than the pool has workers
