@@ -181,10 +181,19 @@ def describe_value(value: Any) -> tuple[str, str]:
     from .printer import fmt
 
     kind = type(value).__name__
-    shape = getattr(value, "shape", None)
-    if shape is not None and not callable(shape):
+    shape = None if isinstance(value, type) else getattr(value, "shape", None)  # not the ndarray class itself
+    try:
+        shape = tuple(int(n) for n in shape) if shape is not None and not callable(shape) else None
+    except (TypeError, ValueError):
+        shape = None
+    if shape is not None:
         dtype = str(getattr(value, "dtype", "")).replace("torch.", "")
-        return kind, f"shape {tuple(shape)} {dtype}".rstrip()
+        if shape == ():  # a scalar (a loss): its value
+            try:
+                return kind, f"{float(value):.6g} {dtype}".rstrip()
+            except (TypeError, ValueError):
+                pass
+        return kind, f"shape {shape} {dtype}".rstrip()
     if isinstance(value, (list, tuple, dict)):
         inner = sorted({type(v).__name__ for v in (value.values() if isinstance(value, dict) else value)})
         what = f"{len(value)} items" + (f" of {', '.join(inner[:3])}" if inner else "")

@@ -67,7 +67,8 @@ def _take(arr: Any, idx: np.ndarray) -> Any:
 
 
 def stack_items(items: list) -> Any:
-    """Default collation for dataset items: stack arrays/tensors/numbers, recursing into tuples and dicts.
+    """Default collation for dataset items: stack arrays/tensors/numbers, recursing into tuples (named ones
+    too), lists and dicts.
 
     >>> stack_items([(np.zeros(2), 1), (np.ones(2), 0)])
     (array([[0., 0.],
@@ -79,8 +80,9 @@ def stack_items(items: list) -> Any:
         return torch.stack(items)
     if isinstance(first, (np.ndarray, np.generic, numbers.Number)):
         return np.stack([np.asarray(item) for item in items])
-    if isinstance(first, tuple) and not hasattr(first, "_fields"):
-        return tuple(stack_items(list(group)) for group in zip(*items))
+    if isinstance(first, tuple):
+        fields = [stack_items(list(group)) for group in zip(*items)]
+        return type(first)(*fields) if hasattr(first, "_fields") else tuple(fields)  # a namedtuple stays one
     if isinstance(first, list):
         return [stack_items(list(group)) for group in zip(*items)]
     if isinstance(first, dict):
@@ -117,6 +119,12 @@ class Batches:
             raise ValueError(f"Batches: batch_size must be >= 1, got {batch_size}")
         if seed < 0:
             raise ValueError(f"Batches: seed must be >= 0 (numpy seeds are non-negative), got {seed}")
+        for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(value, (bool, numbers.Integral)):
+                raise TypeError(f"Batches: {name} must be True or False, got {type(value).__name__} {value!r:.40}")
+        if collate is not None and not callable(collate):
+            raise TypeError(f"Batches: collate must be a function of a list of samples, got "
+                            f"{type(collate).__name__} {collate!r:.40}")
         self.kind, self.size = self._inspect(source)
         self.source = source
         self.batch_size = int(batch_size)
@@ -150,6 +158,10 @@ class Batches:
                 listed = ", ".join(f"{k!r}: {n}" for k, n in sizes.items())
                 raise ValueError(f"Batches: the source's arrays differ in length ({listed})")
             return ("dict" if isinstance(source, dict) else "tuple"), next(iter(sizes.values()))
+        torch_data = sys.modules.get("torch.utils.data")
+        if torch_data is not None and isinstance(source, torch_data.IterableDataset):
+            raise TypeError(f"Batches: {type(source).__name__} is an IterableDataset, whose samples cannot be "
+                            "fetched by index; give a map-style dataset (__len__ and __getitem__)")
         if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
             return "dataset", len(source)
         raise TypeError(f"Batches: source must be an array, a tensor, a tuple or dict of them or a dataset "

@@ -180,10 +180,7 @@ def isolate(program: Element, namespace: str, shared: Iterable[str] = ()) -> Ele
     """The sub-program with its registers renamed ``namespace.name`` (except shared ones), marked as an instance."""
     if not isinstance(namespace, str) or not namespace.isidentifier():
         raise ValueError(f"isolate: the namespace must be an identifier like 'model_a', got {namespace!r}")
-    shared = frozenset(shared)
-    for name in shared:
-        if not isinstance(name, str):
-            raise TypeError(f"isolate: shared register names must be str, got {name!r}")
+    shared = _names(shared, "isolate")
     if program.scope is not None:  # what a template declares shared stays shared
         shared |= program.scope.shared
 
@@ -195,7 +192,7 @@ def isolate(program: Element, namespace: str, shared: Iterable[str] = ()) -> Ele
         if new == r.name:
             return r
         if r.name in r.file and new not in r.file:
-            r.file[new] = r.file[r.name]
+            r.file[new] = _own_copy(r.file[r.name])
         return Register(r.file, new)
 
     renamed = rename_registers(program, rename, rename_name)
@@ -209,13 +206,31 @@ def isolate(program: Element, namespace: str, shared: Iterable[str] = ()) -> Ele
     return renamed.with_scope(scope)
 
 
+def _names(shared: Iterable[str] | str, owner: str) -> frozenset:
+    """Shared register names: an iterable of str (one str is one name)."""
+    names = frozenset([shared] if isinstance(shared, str) else shared)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"{owner}: shared register names must be str, got {name!r}")
+    return names
+
+
+def _own_copy(value: Any) -> Any:
+    """An instance's own copy of a value its template's register already holds (a list it appends to, a
+    model it trains), so that instances do not share it; the value itself when it cannot be copied."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        return value
+
+
 def template(fn: Callable[..., Element] | None = None, *, shared: Iterable[str] = ()):
     """Mark what fn builds as an instance of a template, so that verify reports two colliding instances.
 
     ``shared`` names registers every instance may write (a common log, say).
     Use as ``@template`` or ``@template(shared=['log'])``.
     """
-    shared = frozenset(shared)
+    shared = _names(shared, "template")
 
     def decorate(build: Callable[..., Element]):
         name = f"{build.__module__}.{build.__qualname__}"
@@ -225,6 +240,9 @@ def template(fn: Callable[..., Element] | None = None, *, shared: Iterable[str] 
             program = build(*args, **kwargs)
             if not isinstance(program, Element):
                 raise TypeError(f"template {name} must return a flowvm element, got {type(program).__name__}")
+            inner = program.scope  # the program of another template (or an isolated one): one instance
+            if inner is not None:
+                return program.with_scope(Scope(inner.namespace, name, inner.shared | shared))
             return program.with_scope(Scope(None, name, shared))
 
         return wrapper

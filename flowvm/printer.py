@@ -40,8 +40,9 @@ def fn_name(fn: Any) -> str:
     return type(fn).__name__
 
 
-def fmt(value: Any, limit: int = 40) -> str:
-    """A short source-like rendering of an argument value."""
+def fmt(value: Any, limit: int = 40, _inside: frozenset = frozenset()) -> str:
+    """A short source-like rendering of an argument value (containers: only as much as the limit shows;
+    a container inside itself: ``[...]``)."""
     if isinstance(value, Register):
         return value.name
     np = sys.modules.get("numpy")
@@ -50,11 +51,23 @@ def fmt(value: Any, limit: int = 40) -> str:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         return f"<tensor {str(value.dtype).replace('torch.', '')} {'x'.join(map(str, value.shape)) or 'scalar'}>"
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        inner = ", ".join(fmt(v, limit) for v in value)
-        text = f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
-    elif isinstance(value, dict):
-        text = "{" + ", ".join(f"{fmt(k, limit)}: {fmt(v, limit)}" for k, v in value.items()) + "}"
+    is_seq = isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
+    if is_seq or isinstance(value, dict):
+        opening, closing = ("[", "]") if isinstance(value, list) else ("(", ")") if is_seq else ("{", "}")
+        if id(value) in _inside:
+            return f"{opening}...{closing}"
+        inside = _inside | {id(value)}
+        parts, size = [], 0
+        for item in (value if is_seq else value.items()):
+            part = fmt(item, limit, inside) if is_seq else f"{fmt(item[0], limit, inside)}: {fmt(item[1], limit, inside)}"
+            parts.append(part)
+            size += len(part) + 2
+            if size > limit:  # the rest would be cut off anyway
+                break
+        inner = ", ".join(parts)
+        if is_seq and not isinstance(value, list) and len(value) == 1:
+            inner += ","
+        text = f"{opening}{inner}{closing}"
     elif callable(value) and not isinstance(value, type):
         text = fn_name(value)
     else:

@@ -276,6 +276,19 @@ def test_show_summarizes_tensors_and_containers(tmp_path):
     assert ">>" in out and "step 9" in out
 
 
+def test_the_registers_summary_gives_scalars_their_value_and_survives_odd_values():
+    import numpy as np
+    import torch
+
+    from flowvm.cli import registers_summary
+
+    text = registers_summary({"loss": torch.tensor(0.25), "acc": np.float64(0.5), "cls": np.ndarray,
+                              "x": np.zeros((2, 3), dtype=np.float32)})
+    assert "  loss             Tensor     0.25 float32" in text and "  acc              float64    0.5 float64" in text
+    assert "  cls              type       <class 'numpy.ndarray'>" in text
+    assert "  x                ndarray    shape (2, 3) float32" in text
+
+
 def test_verify_prints_the_program_and_its_step_count():
     out = flowvm_cmd("verify", "pca", "--set", "batches=2").stdout
     assert out.splitlines()[-1] == "# pca: verified; it takes 2005 steps"  # 2 x (1000 samples + 2) + 1

@@ -177,3 +177,31 @@ def test_a_negative_seed_and_non_integer_positions_are_refused():
     with pytest.raises(ValueError, match="expected a dict with int 'seed', 'epoch' and 'position'"):
         data.load_state_dict({"seed": 0, "epoch": 0.7, "position": 1.9})
     assert data.state_dict() == {"seed": 0, "epoch": 0, "position": 0}
+
+
+def test_bad_options_and_an_iterable_dataset_are_refused_when_built_and_namedtuples_collate():
+    import collections
+
+    xs = np.arange(6.0)
+    for name, bad in (("shuffle", "no"), ("drop_last", "no")):
+        with pytest.raises(TypeError, match=f"Batches: {name} must be True or False"):
+            Batches(xs, batch_size=2, **{name: bad})
+    with pytest.raises(TypeError, match="collate must be a function"):
+        Batches(xs, batch_size=2, collate=5)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):  # an IterableDataset: not meant to be indexed
+            raise NotImplementedError
+
+    with pytest.raises(TypeError, match="Stream is an IterableDataset"):
+        Batches(Stream(), batch_size=2)
+
+    Pair = collections.namedtuple("Pair", "x y")
+    batch = Batches([Pair(np.float32(i), i % 2) for i in range(4)], batch_size=4, shuffle=False).next_batch()
+    assert type(batch) is Pair and batch.x.tolist() == [0, 1, 2, 3] and batch.y.tolist() == [0, 1, 0, 1]

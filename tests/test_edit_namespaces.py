@@ -231,3 +231,30 @@ def test_what_a_template_shares_stays_shared_when_an_enclosing_program_is_isolat
     assert sorted(reg) == ["b.w", "log", "o.own", "o.x.w"]
     outer_writes_log = SEQ([train("a").isolate("x"), CALL(toy.const, 1, store_to=reg("log"))]).isolate("o")
     assert "o.log" in flowvm.analysis.writes(outer_writes_log)  # its own write is not the template's to share
+
+
+def test_each_instance_gets_its_own_copy_of_a_value_its_template_register_holds():
+    reg = Registers(history=[])
+    body = CALL(list.append, reg("history"), "x")
+    prog = SEQ([isolate(body, "a"), isolate(body, "b"), isolate(body, "b")])
+    prog.run()
+    assert reg["a.history"] == ["x"] and reg["b.history"] == ["x", "x"] and reg["history"] == []
+
+
+def test_a_template_returning_another_templates_program_keeps_both_shared_names():
+    reg = Registers(log=[], w=0)
+
+    @template(shared="log")  # one name as a str
+    def inner():
+        return SEQ([CALL(toy.const, 1, store_to=reg("w")), CALL(list.append, reg("log"), "i")])
+
+    @template(shared=["extra"])
+    def outer():
+        return inner()
+
+    inst = isolate(outer(), "a")
+    assert inst.scope.shared == frozenset({"log", "extra"}) and inst.scope.namespace == "a"
+    assert sorted(flowvm.analysis.writes(inst)) == ["a.w"]  # log stays shared: appended to, never written
+    assert "list.append(log, 'i')" in str(inst)
+    with pytest.raises(TypeError, match="shared register names must be str"):
+        isolate(inner(), "b", shared=[3])

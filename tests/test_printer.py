@@ -104,3 +104,13 @@ def test_names_of_callables():
     assert fn_name(torch.Tensor.add) == "Tensor.add" and fn_name(str.upper) == "str.upper"
     assert fn_name(functools.partial(toy.add, 1)) == "partial(add, ...)"
     assert str(CALL(toy.add, np.zeros((2, 3)), torch.ones(4))) == "add(<array float64 2x3>, <tensor float32 4>)"
+
+
+def test_a_container_holding_itself_prints_and_long_ones_are_cut():
+    from flowvm.printer import fmt
+
+    loop = [1, 2]
+    loop.append(loop)
+    assert fmt(loop) == "[1, 2, [...]]" and fmt({"me": loop}) == "{'me': [1, 2, [...]]}"
+    big = list(range(100_000))
+    assert fmt(big) == repr(big)[:37] + "..." and fmt({"k": big}, 20) == repr({"k": big})[:17] + "..."
