@@ -92,6 +92,8 @@ async def main(workdir: str | Path, steps: int = 100000, report_every: float = 0
             await asyncio.sleep(report_every)
             log(f"step {drv.steps}: loss {drv.registers.get('loss', float('nan')):.5f}")
 
+    stopped_by = ["interrupted"]
+
     async def watch_files():
         while True:
             await asyncio.sleep(0.05)
@@ -100,6 +102,7 @@ async def main(workdir: str | Path, steps: int = 100000, report_every: float = 0
                 wanted.set()
             if (workdir / "STOP").exists():
                 (workdir / "STOP").unlink()
+                stopped_by[0] = "stop file"
                 training.cancel()
                 return
 
@@ -125,8 +128,8 @@ async def main(workdir: str | Path, steps: int = 100000, report_every: float = 0
         await training
         log(f"finished after {drv.steps} steps: loss {drv.registers['loss']:.6f}")
         ckpt.unlink(missing_ok=True)
-    except asyncio.CancelledError:
-        save("stop file")
+    except asyncio.CancelledError:  # the STOP file, or the program itself cancelled (Ctrl-C)
+        save(stopped_by[0])
     finally:
         for task in helpers:
             task.cancel()
