@@ -133,7 +133,7 @@ class Batches:
         self.drop_last = bool(drop_last)
         self.collate = collate
         if self.size == 0:
-            raise ValueError("Batches: the source holds no samples")
+            raise ValueError("Batches: source holds no samples (an empty array, tensor or dataset)")
         if drop_last and self.size < batch_size:
             raise ValueError(f"Batches: drop_last with batch_size={batch_size} but only {self.size} samples: "
                              "every epoch would be empty")

@@ -57,14 +57,14 @@ def _dot_attrs(el: Element, state: str | None) -> str:
     return attrs + (f", {extra}" if extra else "")
 
 
-def _split(target: Any) -> tuple[Element, Any]:
+def _split(target: Any, owner: str) -> tuple[Element, Any]:
     from .driver import Driver
 
     if isinstance(target, Driver):
         return target.program, target
     if isinstance(target, Element):
         return target, None
-    raise TypeError(f"expected a flowvm program or Driver, got {type(target).__name__}")
+    raise TypeError(f"{owner}: expected a flowvm program or Driver, got {type(target).__name__} {target!r:.40}")
 
 
 def frame_states(drv) -> dict[Path, tuple[str, str]]:
@@ -145,7 +145,7 @@ def _title(drv) -> str:
 
 def to_dot(target: Any, *, name: str = "flowvm", rankdir: str = "TB", label_limit: int = 60) -> str:
     """Graphviz DOT text for a program, or for a driver with its position highlighted."""
-    program, drv = _split(target)
+    program, drv = _split(target, "to_dot")
     states = frame_states(drv) if drv is not None else {}
     graph_id = name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else _dot_quote(name)
     out = [f"digraph {graph_id} {{"]
@@ -201,7 +201,7 @@ def to_mermaid(target: Any, *, direction: str = "TD", label_limit: int = 60) -> 
       n_0["abs(-1)"]
       n -->|"0"| n_0
     """
-    program, drv = _split(target)
+    program, drv = _split(target, "to_mermaid")
     states = frame_states(drv) if drv is not None else {}
     out = []
     if drv is not None:

@@ -519,7 +519,8 @@ class Driver:
                     stack.pop()
                     value = r
         except Exception as err:
-            self._carry = value  # the move that failed is retried from here
+            # the move that failed is retried from here; or the frame it failed in was re-entered
+            self._carry = _NOVALUE if getattr(err, "_flowvm_rewound", False) else value
             if not getattr(err, "_flowvm_noted", False):
                 self._annotate(err, "finishing" if value is not novalue else "entering")
             raise
@@ -798,10 +799,29 @@ def _start_loop(drv, fr):
     return _PUSHED
 
 
+def _failed_again(fr: list, size: int, err: Exception) -> bool:
+    """A move out of fr failed: whether it had failed before with the same value.
+
+    The first failure comes right after the leaf that produced the value (and is raised at the start of
+    the next step, which retries the move); the retry that raises it marks the frame to be re-entered,
+    so that the step after it recomputes what failed (the cause may have been fixed meanwhile)."""
+    if len(fr) == size:
+        fr.append(True)
+        return False
+    del fr[size:]
+    err._flowvm_rewound = True  # the settle's caller: nothing to carry, the next step starts afresh
+    return True
+
+
 def _next_loop(drv, fr, value):
     if drv.steps == fr[1]:
-        raise FlowError("LOOP body finished an iteration without taking a step; it would spin forever "
+        err = FlowError("LOOP body finished an iteration without taking a step; it would spin forever "
                         "(does a REPEAT or BUFFER count in it hold 0?)")
+        if _failed_again(fr, 3, err):
+            fr[1] = drv.steps  # the next step enters the body again, reading its counts anew
+            drv._stack.append([fr[0].body])
+        raise err
+    del fr[3:]
     fr[1] = drv.steps
     fr[2] += 1
     drv._stack.append([fr[0].body])
@@ -853,7 +873,13 @@ def _start_switch(drv, fr):
 def _next_switch(drv, fr, value):
     el = fr[0]
     if fr[1] == 0 and isinstance(el.selector, CALL):
-        idx = _switch_case(el, value)
+        try:
+            idx = _switch_case(el, value)
+        except SwitchError as err:
+            if _failed_again(fr, 2, err):
+                drv._stack.append([el.selector])  # the next step runs the selector again
+            raise
+        del fr[2:]
         fr[1] = idx
         drv._stack.append([el.children[idx]])
         return _PUSHED

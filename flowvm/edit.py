@@ -279,6 +279,9 @@ def find(target: Any, pattern: Any = None, *, where: Callable[[Element], bool] |
     program = _program_of(target)
     if pattern is None and where is None:
         raise TypeError("find: give a pattern element, a function (matches its CALLs) or where=predicate")
+    if where is not None and not callable(where):
+        raise TypeError(f"find: where must be a predicate taking an element, got {type(where).__name__} "
+                        f"{where!r:.40}")
     test = _pattern_test(pattern)
     found = [Match(p, el) for p, el in walk(program) if (test is None or test(el)) and (where is None or where(el))]
     description = _describe_pattern(pattern, where)

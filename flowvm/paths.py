@@ -25,6 +25,9 @@ def describe_path(path: Path) -> str:
 def parse_path(text: str | Path) -> Path:
     if isinstance(text, tuple):
         return text
+    if not isinstance(text, str):
+        raise TypeError(f"an element path is a str like '0.2.1' or a tuple of child indices, got "
+                        f"{type(text).__name__} {text!r:.40}")
     text = text.strip()
     if not text:
         return ()

@@ -331,6 +331,8 @@ def to_source(program: Element, *, names: dict[str, Any] | None = None,
     as source or imported.  Raises ``SourceError`` naming the element that
     holds something else.
     """
+    if names is not None and not isinstance(names, dict):
+        raise TypeError(f"to_source: names must be a dict of name -> object, got {type(names).__name__}")
     names = dict(names or {})
     for k in names:
         if not k.isidentifier():
@@ -407,6 +409,10 @@ def from_source(text: str, names: dict[str, Any] | None = None) -> Element:
 
     The source runs as Python code: only pass text you trust.
     """
+    if not isinstance(text, str):
+        raise TypeError(f"from_source: text must be the str to_source wrote, got {type(text).__name__}")
+    if names is not None and not isinstance(names, dict):
+        raise TypeError(f"from_source: names must be a dict of name -> object, got {type(names).__name__}")
     namespace: dict[str, Any] = dict(names or {})
     exec(compile(text, "<flowvm source>", "exec"), namespace)
     program = namespace.get("program")

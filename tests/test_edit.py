@@ -405,3 +405,17 @@ def test_an_edit_made_by_a_call_of_the_running_program_is_refused_alike_by_step_
         assert [v for _, v in reg["log"]] == ["old"] * 3, how
         assert [w for w, _ in outcome] == ["program", "driver"], how
         assert "a CALL of that run is refused" in outcome[0][1] and "patch it between steps" in outcome[1][1]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda q: q.at(3.5), "an element path is a str like '0.2.1' or a tuple of child indices, got float 3.5"),
+    (lambda q: q.find(CALL, where=3), "find: where must be a predicate taking an element, got int 3"),
+    (lambda q: flowvm.to_source(q, names=[1]), "to_source: names must be a dict of name -> object, got list"),
+    (lambda q: flowvm.from_source(5), "from_source: text must be the str to_source wrote, got int"),
+    (lambda q: flowvm.to_dot(5), "to_dot: expected a flowvm program or Driver, got int 5"),
+    (lambda q: flowvm.to_mermaid("x"), "to_mermaid: expected a flowvm program or Driver, got str 'x'"),
+])
+def test_bad_arguments_to_the_program_tools_name_the_function_and_what_it_expects(call, message):
+    with pytest.raises(TypeError) as info:
+        call(SEQ([CALL(double, 1)]))
+    assert str(info.value) == message

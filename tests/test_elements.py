@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -218,3 +220,31 @@ def test_registers_inside_dict_subclasses_keep_the_subclass():
     assert got == (collections.defaultdict, 1, [])
     ordered = CALL(lambda d: d, collections.OrderedDict(b=reg("x"), a=2)).run()
     assert type(ordered) is collections.OrderedDict and list(ordered.items()) == [("b", 1), ("a", 2)]
+
+
+def test_a_switch_whose_selector_call_found_no_case_runs_the_selector_again_once_the_cause_is_fixed():
+    reg = Registers(s=9, log=[])
+    prog = SWITCH(CALL(lambda s: s, reg("s")), {1: CALL(list.append, reg("log"), "one")})
+    drv = prog.start()
+    assert drv.step() is flowvm.INCOMPLETE and drv.steps == 1  # the selector ran
+    with pytest.raises(SwitchError, match="selector value 9"):
+        drv.step()  # the case is chosen at the start of the next step: no case
+    assert drv.steps == 1
+    copy_ = pickle.loads(pickle.dumps(drv))
+    reg["s"] = 1
+    copy_.registers["s"] = 1
+    for d in (drv, copy_):
+        assert d.run() is None and d.registers["log"] == ["one"] and d.steps == 3  # selector again, then case
+
+
+def test_a_loop_that_spun_enters_its_body_again_once_the_cause_is_fixed():
+    reg = Registers(n=0, log=[])
+    prog = WEAVE(1, [REPEAT(3, CALL(list.append, reg("log"), "a")),
+                     LOOP(REPEAT(reg("n"), CALL(list.append, reg("log"), "b")))])
+    drv = prog.start()
+    with pytest.raises(flowvm.FlowError, match="spin"):
+        drv.run()
+    steps = drv.steps
+    reg["n"] = 1
+    drv.run()
+    assert drv.done and drv.steps > steps and "b" in reg["log"] and reg["log"].count("a") == 3

@@ -9,7 +9,7 @@ import pytest
 from flowvm.edit import EditError
 from flowvm.errors import CheckpointError, FlowError, RegisterError, SwitchError, VerifyError
 from flowvm.executors import SpawnError, SpawnTimeout
-from flowvm.passes import PassError
+from flowvm.passes import PassError, UnknownPassError
 from flowvm.processes import CommandError
 from flowvm.source import SourceError
 
@@ -25,6 +25,7 @@ SAMPLES = [
     SpawnError("the worker process running the fragment died"),
     SpawnTimeout("the fragment ran longer than the timeout of 1 s"),
     FlowError("plain"),
+    UnknownPassError("no optimizer pass named 'nope'; known passes: flatten", "nope"),
 ]
 
 COPIERS = {

@@ -59,6 +59,14 @@ class PassError(FlowError):
         self.register = register
 
 
+class UnknownPassError(PassError, KeyError):
+    """A pass name that is not registered, or options for a pass that is not in the pipeline (a PassError,
+    and a KeyError as a failed lookup)."""
+
+    def __str__(self) -> str:  # the message as it is (a KeyError would quote it)
+        return str(self.args[0]) if self.args else ""
+
+
 @dataclass(frozen=True)
 class Pass:
     """A named Program -> Program rewrite.
@@ -156,7 +164,8 @@ def get_pass(name: str) -> Pass:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"no optimizer pass named {name!r}; known passes: {', '.join(_REGISTRY)}") from None
+        raise UnknownPassError(f"no optimizer pass named {name!r}; known passes: {', '.join(_REGISTRY)}",
+                               str(name)) from None
 
 
 def list_passes() -> list[Pass]:
@@ -209,8 +218,8 @@ def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool 
                         f"{{'fuse-torch': {{'compile_after': 5}}}}; got {options!r:.80}")
     for name in options or {}:
         if name not in known:
-            raise KeyError(f"optimize: options given for pass {name!r}, which is not in the pipeline "
-                           f"({', '.join(p.name for p, _ in resolved) or 'empty'})")
+            raise UnknownPassError(f"optimize: options given for pass {name!r}, which is not in the pipeline "
+                                   f"({', '.join(p.name for p, _ in resolved) or 'empty'})", str(name))
     if debug:
         _verify(program, "<input>", "the program given to optimize does not verify")
     ctx = PassContext(program)
