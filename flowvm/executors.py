@@ -551,7 +551,6 @@ class Job:
         self.future = future
         self.executor = executor
         self.nonce = nonce
-        self.started = time.monotonic()
         self.running_since: float | None = None  # when the executor first reported the task running
         self._finalizer = weakref.finalize(self, _cancel, future, nonce)
         if nonce is not None and executor in _start_reports:

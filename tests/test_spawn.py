@@ -229,16 +229,21 @@ def write_pid_and_sleep(path):
     time.sleep(30)
 
 
+def wait_for_pid(path) -> int:
+    """The pid a fragment wrote to path, once it has."""
+    end = time.monotonic() + 20
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    return int(path.read_text())
+
+
 def test_a_worker_killed_from_outside_while_the_fragment_runs_is_a_clear_error(tmp_path):
     path = tmp_path / "pid"
     reg = Registers(path=str(path))
     drv = SEQ([SPAWN(CALL(write_pid_and_sleep, reg("path"))), CALL(abs, -1)]).start()
     drv.step()
-    end = time.monotonic() + 20
-    while not (path.exists() and path.read_text()):
-        assert time.monotonic() < end
-        time.sleep(0.01)
-    os.kill(int(path.read_text()), signal.SIGKILL)
+    os.kill(wait_for_pid(path), signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(SpawnError, match="died"):
         drv.run()
@@ -258,11 +263,7 @@ def test_workers_of_the_default_pool_ignore_ctrl_c_which_the_parent_handles(tmp_
     path = tmp_path / "pid"
     drv = SPAWN(CALL(write_pid_and_return_after, str(path), 1.0)).start()
     drv.step()
-    end = time.monotonic() + 20
-    while not (path.exists() and path.read_text()):
-        assert time.monotonic() < end
-        time.sleep(0.01)
-    os.kill(int(path.read_text()), signal.SIGINT)
+    os.kill(wait_for_pid(path), signal.SIGINT)
     assert drv.run(timeout=20) == "finished"
 
 
