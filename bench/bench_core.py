@@ -35,7 +35,6 @@ from time import perf_counter
 
 # Benchmark the checkout this script lives in, even if some other flowvm is installed.
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
 import flowvm  # noqa: E402
 from flowvm import CALL, INCOMPLETE, REPEAT, SEQ, Registers  # noqa: E402
@@ -350,7 +349,7 @@ def environment():
     try:  # which code was measured; absent outside a git checkout
         env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                                            text=True, check=True).stdout.strip()
-        env["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--", "flowvm"], cwd=REPO_ROOT,
+        env["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=REPO_ROOT,
                                                capture_output=True, text=True, check=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         pass

@@ -30,7 +30,6 @@ import timeit
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
 import flowvm  # noqa: E402
 from flowvm import CALL, REPEAT, SEQ, Depends, Registers  # noqa: E402

@@ -36,7 +36,6 @@ from pathlib import Path
 from time import perf_counter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -10,7 +10,7 @@ import flowvm
 from flowvm import BUFFER, CALL, INCOMPLETE, SEQ, Registers
 from flowvm.testing import assert_same_run
 
-from programs import pca
+from flowvm.programs import pca
 
 
 def svd_components(data, k):

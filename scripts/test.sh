@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up and pass the tests with flowvm as users get it: build the sdist and, from it, the wheel; install
+# the wheel (not editable) with the test extras into .venv; run the suite against that installed package.
+# Arguments go to pytest (scripts/test.sh -x -k checkpoint).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/pip install -q build
+rm -rf dist
+.venv/bin/python -m build
+wheel=$(ls dist/*.whl)
+# torch is pinned so that pip takes the local CPU build on this project's machines.
+.venv/bin/pip install torch==2.13.0 "$wheel[test]"
+.venv/bin/pip install --force-reinstall --no-deps "$wheel"  # the wheel just built, even at an unchanged version
+.venv/bin/python -m pytest "$@"
