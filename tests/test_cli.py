@@ -36,6 +36,13 @@ def flowvm_cmd(*args, cwd=None, env=None, check=True, timeout=120) -> subprocess
     return done
 
 
+def kmeans_file() -> str:
+    """The installed kmeans program's file: `flowvm run` takes a program by file name too."""
+    from flowvm.programs import kmeans
+
+    return kmeans.__file__
+
+
 def saved(path) -> dict:
     drv = flowvm.load(path, restore_random=False)
     assert drv.done
@@ -55,7 +62,7 @@ def test_run_prints_the_report_and_set_overrides_builder_options():
 
 def test_run_a_program_file_and_resume_it_from_another_directory(tmp_path):
     ckpt = tmp_path / "k.ckpt"
-    out = flowvm_cmd("run", "programs/kmeans.py", "--set", "samples=300", "--checkpoint", ckpt,
+    out = flowvm_cmd("run", kmeans_file(), "--set", "samples=300", "--checkpoint", ckpt,
                      "--max-steps", 20, "--progress", "none")
     assert f"paused at step 20; continue with `flowvm resume {ckpt}`" in out.stdout
     assert flowvm.checkpoint.read_header(ckpt)["steps"] == 20

@@ -211,7 +211,7 @@ def test_a_spawn_round_trips_with_its_fragment_and_shared_elements():
 
     prog = build()
     text = to_source(prog)
-    assert "from flowvm.processes import POPEN, SPAWN" in text
+    assert "from flowvm import CALL, POPEN, Registers, SEQ, SPAWN, WEAVE" in text
     assert "SPAWN(SEQ([shared_1, CALL(inc, reg('y'), store_to=reg('z'))]), store_to=reg('v'), timeout=60.0)" in text
     rebuilt = from_source(text)
     assert str(rebuilt) == str(prog) and to_source(rebuilt) == text

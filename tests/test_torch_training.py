@@ -103,8 +103,6 @@ def test_standard_pickle_of_a_half_run_training_loop_resumes_in_a_fresh_process(
 
 
 def test_torch_default_generator_passed_explicitly_stays_the_global_one():
-    from flowvm.checkpoint import capture_rng, restore_rng
-
     def build():
         torch.manual_seed(0)
         reg = Registers()
@@ -116,9 +114,8 @@ def test_torch_default_generator_passed_explicitly_stays_the_global_one():
     for cut in range(1, 8):
         drv = build().start()
         drv.run(max_steps=cut)
-        state = capture_rng()
         copy_ = pickle.loads(pickle.dumps(drv))
-        restore_rng(state)
+        torch.manual_seed(1234)  # as in another process: the copy sets the generator it was copied with
         copy_.run()
         assert torch.equal(copy_.registers["a"], straight.registers["a"]), cut
         assert torch.equal(copy_.registers["b"], straight.registers["b"]), cut

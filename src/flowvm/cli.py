@@ -3,7 +3,7 @@
     flowvm run mlp --set optimizer=sgd --checkpoint run.ckpt --every 500
     flowvm resume run.ckpt
     flowvm show run.ckpt
-    flowvm verify programs/pca.py
+    flowvm verify my_program.py
     flowvm list --options
 
 A *program module* has ``build(**options)`` returning a program; optionally
@@ -13,12 +13,17 @@ runs best with; small models run fastest on one).  A target is a bundled program
 a module name (``mypkg.train``) or a path to a .py file.
 
 Crash safety: with ``--checkpoint`` the run is saved atomically (temporary
-file, fsync, rename) every ``--every`` steps or ``--every-seconds`` seconds
+file, fsync, rename; on an object store such as S3, an upload that completes
+or leaves nothing) every ``--every`` steps or ``--every-seconds`` seconds
 (every 60 s when neither is given), on SIGINT/SIGTERM, when a step raises,
 at ``--max-steps`` and at the end.  A SIGKILL loses only the steps since the
 last save, and ``flowvm resume`` continues bit for bit, saving as often as
 the run was told to unless given a new interval.  ``--key`` signs
 checkpoints; a signed file is only resumed or shown with its key.
+
+Checkpoint locations are local paths or fsspec URLs (``s3://bucket/run.ckpt``,
+``memory://...``; see flowvm.storage): a URL is kept as a str, since a Path
+would collapse its ``//``, and is read and checked through flowvm.storage.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import checkpoint
+from . import checkpoint, storage
 from .driver import Driver
 from .elements import Element
 from .errors import CheckpointError, FlowError
@@ -164,7 +169,7 @@ def build_program(target: str, sets: list[str]):
     return module, program
 
 
-def _finish(drv: Driver, module: ModuleType | None, ckpt: Path | None, signed: bool = False) -> None:
+def _finish(drv: Driver, module: ModuleType | None, ckpt: Path | str | None, signed: bool = False) -> None:
     if not drv.done:
         hint = f"; continue with `flowvm resume {ckpt}`" if ckpt is not None else ""
         if hint and signed:
@@ -218,7 +223,7 @@ def _key(args) -> str | None:
     return getattr(args, "key", None) or os.environ.get(KEY_ENV) or None
 
 
-def _trusted_header(args, path: Path) -> tuple[dict, str | None]:
+def _trusted_header(args, path: Path | str) -> tuple[dict, str | None]:
     """The header of a saved run and the key to load it with, checked before anything is imported.
 
     A signed file is only read with its key (and stays signed); with a key the
@@ -233,7 +238,7 @@ def _trusted_header(args, path: Path) -> tuple[dict, str | None]:
     return header, key
 
 
-def _runner(args, drv: Driver, meta: dict, ckpt: Path | None) -> Runner:
+def _runner(args, drv: Driver, meta: dict, ckpt: Path | str | None) -> Runner:
     return Runner(drv, meta.get("show", []), ckpt, args.every, args.every_seconds, meta, _key(args),
                   args.progress, args.progress_every)
 
@@ -244,7 +249,23 @@ def set_threads(threads: int | None) -> None:
         sys.modules["torch"].set_num_threads(threads)
 
 
-def _check_checkpoint_path(path: Path | None) -> None:
+def checkpoint_location(text: str) -> Path | str:
+    """A --checkpoint or resume/show argument: a URL stays a str (a Path would collapse its ``//``); a
+    ``file://`` URL and a plain path become a Path."""
+    return text if storage.is_url(text) else storage.local_path(text)
+
+
+def _check_checkpoint_path(path: Path | str | None) -> None:
+    if isinstance(path, str):
+        # A URL: its filesystem is installed, it names an object, and the store answers.  Any problem but a
+        # missing object (no bucket, access denied, no credentials, an unreachable store) would fail every
+        # save: say so now, not after the first interval.
+        try:
+            storage.check_target(path)
+            storage.read_start(path, len(checkpoint.MAGIC), missing_ok=True)
+        except CheckpointError as err:
+            raise SystemExit(f"flowvm: --checkpoint {path}: {err.reason}") from None
+        return
     if path is not None:
         if path.is_dir():
             raise SystemExit(f"flowvm: --checkpoint {path} is a directory; give a file name")
@@ -252,16 +273,26 @@ def _check_checkpoint_path(path: Path | None) -> None:
             raise SystemExit(f"flowvm: --checkpoint {path}: no directory {path.parent}")
 
 
-def _refuse_to_overwrite(path: Path | None, force: bool) -> None:
+def _refuse_to_overwrite(path: Path | str | None, force: bool) -> None:
     """A run must not silently replace an unfinished run saved at its checkpoint path, nor a file that is
     no checkpoint at all."""
-    if path is None or force or not path.exists():
+    if path is None or force:
         return
-    try:
-        with open(path, "rb") as f:
-            start = f.read(len(checkpoint.MAGIC))
-    except OSError:
-        return  # a directory or an unreadable path: saving names the problem
+    if isinstance(path, str):  # a URL: read through the store (_check_checkpoint_path named its problems)
+        try:
+            start = storage.read_start(path, len(checkpoint.MAGIC), missing_ok=True)
+        except CheckpointError as err:
+            raise SystemExit(f"flowvm: --checkpoint {path}: {err.reason}") from None
+        if start is None:
+            return
+    else:
+        if not path.exists():
+            return
+        try:
+            with open(path, "rb") as f:
+                start = f.read(len(checkpoint.MAGIC))
+        except OSError:
+            return  # a directory or an unreadable path: saving names the problem
     if start and not checkpoint.MAGIC.startswith(start[:len(checkpoint.MAGIC)]):
         raise SystemExit(f"flowvm: {path} exists and is not a flowvm checkpoint; choose another --checkpoint "
                          "path, or pass --force to replace it")
@@ -283,6 +314,8 @@ def cmd_run(args) -> int:
     set_threads(threads)
     module, program = build_program(args.target, args.set)
     drv = program.start()
+    if args.threads is not None:  # instead of what the program declares (with_process_settings)
+        drv.resume_with(settings={"torch.threads": args.threads})
     target = args.target
     if target.endswith(".py") or os.sep in target or "/" in target:
         target = str(Path(target).resolve())  # so that `flowvm resume` finds it from any directory
@@ -313,13 +346,15 @@ def cmd_resume(args) -> int:
     header, key = _trusted_header(args, args.path)
     meta = header.get("meta") or {}
     module = _module_of(meta)
-    set_threads(args.threads if args.threads is not None else meta.get("threads"))
+    set_threads(args.threads)
     if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
         args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
     else:
         meta = dict(meta, every=args.every, every_seconds=args.every_seconds)
-    drv = checkpoint.load(args.path, key=key)
-    target = args.checkpoint if args.checkpoint is not None else Path(args.path)
+    drv = checkpoint.load(args.path, key=key, restore_settings=not args.keep_settings)
+    if args.threads is not None:
+        drv.resume_with(settings={"torch.threads": args.threads})
+    target = args.checkpoint if args.checkpoint is not None else args.path
     status = _runner(args, drv, meta, target).run(args.max_steps)
     _finish(drv, module, target, key is not None)
     return status
@@ -385,7 +420,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def running(sp):
-        sp.add_argument("--checkpoint", type=Path, help="save the run to this file (atomically)")
+        sp.add_argument("--checkpoint", type=checkpoint_location,
+                        help="save the run to this file or fsspec URL (s3://bucket/key), atomically")
         sp.add_argument("--every", type=int, metavar="N", help="save every N steps")
         sp.add_argument("--every-seconds", type=float, metavar="S",
                         help=f"save every S seconds (default {DEFAULT_EVERY_SECONDS:g} with --checkpoint and "
@@ -398,7 +434,8 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--progress-every", type=float, default=2.0, metavar="S",
                         help="seconds between plain progress lines (default 2)")
         sp.add_argument("--threads", type=int, metavar="N",
-                        help="torch intra-op threads (default: the program's THREADS, else torch's own)")
+                        help="torch intra-op threads (default: what the program declares, else torch's own; "
+                             "on resume: what the run was saved with)")
 
     run = sub.add_parser("run", help="run a program")
     run.add_argument("target", help="bundled program name, module name or .py file")
@@ -409,12 +446,15 @@ def parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     resume = sub.add_parser("resume", help="continue a saved run")
-    resume.add_argument("path", type=Path)
+    resume.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
+    resume.add_argument("--keep-settings", action="store_true",
+                        help="keep this process's settings (torch threads, deterministic algorithms, ...) "
+                             "instead of those the run was saved with")
     running(resume)
     resume.set_defaults(func=cmd_resume)
 
     show = sub.add_parser("show", help="print a saved run: program, position, registers")
-    show.add_argument("path", type=Path)
+    show.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
     show.add_argument("--key")
     show.set_defaults(func=cmd_show)
 

@@ -61,6 +61,7 @@ from time import monotonic
 from typing import Any
 
 from .compile import leaf_function
+from .environment import apply_random, apply_settings, capture_random, capture_settings, check_settings
 from .elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
 from .errors import FlowError, RegisterError, SwitchError
 from .idle import Idle as _Idle
@@ -73,18 +74,27 @@ class _Sentinel:
 
     def __init__(self, name: str):
         self._name = name
+        _SENTINELS[name] = self
 
     def __repr__(self) -> str:
         return self._name
 
     def __reduce__(self):
-        return self._name
+        return sentinel, (self._name,)
 
     def __copy__(self):
         return self
 
     def __deepcopy__(self, memo):
         return self
+
+
+_SENTINELS: dict[str, "_Sentinel"] = {}
+
+
+def sentinel(name: str) -> "_Sentinel":
+    """The singleton named name (how sentinels unpickle)."""
+    return _SENTINELS[name]
 
 
 INCOMPLETE = _Sentinel("INCOMPLETE")
@@ -129,6 +139,9 @@ class Driver:
         self._rotate = False
         self._fresh: int | None = None  # see _settle
         self._weave = _has_weave(program)
+        declared = program.process_settings
+        if declared:
+            self._resume = {"random": None, "settings": dict(declared), "announce": False}
 
     # Live handles of leaves between polls (see the leaf protocol above): a
     # cache dropped when pickled.
@@ -315,7 +328,60 @@ class Driver:
         state.pop("_fast", None)
         state.pop("_fastseq", None)
         state.pop("_live", None)
+        state["_resume"] = self._resume_for_copy()
         return state
+
+    # ------------------------------------------------------- copies and their process
+    # What this driver sets when it takes its next step (see environment.py), or None:
+    # {"random": global generator states or None, "settings": {name: value}, "announce": bool}.
+    # A copy gets the states and settings of the moment it was made; a new driver the settings its
+    # program declares (Element.with_process_settings).
+    _resume: dict | None = None
+
+    def _resume_for_copy(self) -> dict:
+        pending = self._resume
+        if pending is not None and pending["random"] is not None:
+            return pending  # a copy that has not stepped yet: it stands for the run at that same moment
+        settings = capture_settings()
+        if pending is not None:
+            settings.update(pending["settings"])  # what the next step would have set
+        return {"random": capture_random(), "settings": settings, "announce": True}
+
+    def resume_with(self, random: bool = True, settings: bool | dict = True) -> "Driver":
+        """Choose what this driver sets in its process when it takes its next step.
+
+        A copy of a run (pickle, cloudpickle, deepcopy, checkpoint) carries the states of the global random
+        generators and the settings that change results (torch's thread count, deterministic algorithms,
+        matmul precision, default dtype, cuDNN flags: see flowvm.environment) of the moment it was made,
+        and sets them, saying which settings differed, when it takes its first step.  ``random=False``
+        keeps this process's generator states; ``settings=False`` keeps this process's settings; a dict
+        of settings (``{"torch.threads": 4}``) sets those instead of the saved ones.  Returns the driver.
+        """
+        pending = dict(self._resume or {"random": None, "settings": {}, "announce": True})
+        if not random:
+            pending["random"] = None
+        if settings is False:
+            pending["settings"] = {}
+        elif isinstance(settings, dict):
+            pending["settings"] = {**pending["settings"], **check_settings(settings, "<settings>")}
+        elif settings is not True:
+            raise TypeError(f"resume_with: settings must be True, False or a dict, got {settings!r}")
+        self._resume = pending if pending["random"] is not None or pending["settings"] else None
+        if self._resume is not None:
+            self._leaf = self._fast = self._fastseq = None  # the next step goes through _prepare
+        return self
+
+    @property
+    def saved_environment(self) -> dict | None:
+        """What the next step sets (a copy's saved random states and settings), or None."""
+        return self._resume
+
+    def _apply_resume(self) -> None:
+        pending = self._resume
+        if pending["random"] is not None:
+            apply_random(pending["random"])
+        apply_settings(pending["settings"], announce=pending["announce"])
+        self._resume = None
 
     def __reduce_ex__(self, protocol):
         # Whatever the outer pickler (pickle, cloudpickle, copy.deepcopy), the
@@ -323,13 +389,16 @@ class Driver:
         # every copy keeps the same things: gradients, global generators, lambdas.
         # The driver is one self-contained unit: an object it shares with
         # something pickled beside it is copied, not shared.
-        from .checkpoint import load_driver_bytes, pickle_bytes
+        from .pickler import load_driver_bytes, pickle_with_python
 
-        return load_driver_bytes, (pickle_bytes(self),)
+        data, bytecode = pickle_with_python(self)
+        return load_driver_bytes, (data,) if bytecode is None else (data, bytecode)
 
     # ----------------------------------------------------------------- engine
     def _prepare(self) -> bool:
         """Settle if needed and fill the caches for the next leaf; False when the program is finished."""
+        if self._resume is not None:  # a copy's first step (or first run() once finished)
+            self._apply_resume()
         if self.done:
             return False
         if not self._ready:

@@ -545,9 +545,10 @@ def _substitute(el: Element, old: Element, new: Element) -> Element:
 
 
 def carry_overrides(old: Element, new: Element) -> Element:
-    """new, or a copy of it holding old's dependency_overrides when old has some."""
-    table = old.__dict__.get("_overrides")
-    if table and new is not old and new.__dict__.get("_overrides") != table:
-        new = copy.copy(new)
-        new.__dict__["_overrides"] = dict(table)
+    """new, or a copy of it holding old's dependency_overrides and settings when old has some."""
+    for name in ("_overrides", "_settings"):
+        table = old.__dict__.get(name)
+        if table and new is not old and new.__dict__.get(name) != table:
+            new = copy.copy(new)
+            new.__dict__[name] = dict(table)
     return new

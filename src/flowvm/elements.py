@@ -156,6 +156,23 @@ class Element:
         new.dependency_overrides.update(overrides)
         return new
 
+    @property
+    def process_settings(self) -> dict:
+        """The process settings this program runs with (see with_process_settings); empty by default."""
+        return dict(self.__dict__.get("_settings") or {})
+
+    def with_process_settings(self, settings: dict) -> "Element":
+        """A copy of this element that, run as a program, sets these process settings (names as in
+        ``flowvm.environment``, such as ``{"torch.threads": 1}``) when its driver takes its first step.
+        A resumed copy of the run sets the settings it was saved with instead."""
+        import copy
+
+        from .environment import check_settings
+
+        new = copy.copy(self)
+        new.__dict__["_settings"] = {**self.process_settings, **check_settings(settings, "<settings>")}
+        return new
+
     # -- printing
     def __str__(self) -> str:
         from .printer import listing

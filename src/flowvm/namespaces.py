@@ -32,7 +32,7 @@ SEQ:
 >>> SEQ([train(1), train(2)]).run()
 Traceback (most recent call last):
 ...
-flowvm.errors.VerifyError: register collision: two instances of template flowvm.namespaces.train (paths '0' and '1', ...
+flowvm.VerifyError: register collision: two instances of template flowvm.namespaces.train (paths '0' and '1', ...
 
 A register that holds a value when it is isolated is copied to its new name
 (the original stays), so templates may give their registers initial values.
@@ -164,10 +164,11 @@ def _rename_element(el: Element, rename: Callable[[Register], Register], rename_
     else:
         raise TypeError(f"isolate: cannot rename the registers of a {el.kind} element; "
                         "give its class a __flowvm_source__() method (see flowvm.source)")
-    table = el.__dict__.get("_overrides")
-    if table and new is not el:  # a sub-program's dependency_overrides stay with it
-        new = copy.copy(new)
-        new.__dict__["_overrides"] = dict(table)
+    for name in ("_overrides", "_settings"):
+        table = el.__dict__.get(name)
+        if table and new is not el:  # a sub-program's dependency_overrides and settings stay with it
+            new = copy.copy(new)
+            new.__dict__[name] = dict(table)
     scope = el.scope
     if scope is not None:
         if rename_name is not None and scope.shared:

@@ -246,6 +246,8 @@ class _Writer:
         table = el.__dict__.get("_overrides")
         if table and path != ():  # the root's are a statement of their own (see to_source)
             text += f".with_overrides({self.overrides(table)})"
+        if el.__dict__.get("_settings"):
+            text += f".with_process_settings({el.__dict__['_settings']!r})"
         return text
 
     def overrides(self, table: dict) -> str:
@@ -383,7 +385,12 @@ def to_source(program: Element, *, names: dict[str, Any] | None = None,
                 except SourceError:
                     raise SourceError(f"register {name!r} holds {_what(file[name])}, which has no source form; "
                                       "pass registers=False or a list of register names to leave it out") from None
-    head = [f"from flowvm import {', '.join(sorted(w.flowvm - {'Scope', 'Depends'}))}"]
+    public = set(w.flowvm)
+    for (module, attr), local in list(w.imports.items()):
+        if module == "flowvm" and attr and local == attr:  # POPEN, SPAWN, FUSED, ...: one import line
+            public.add(attr)
+            del w.imports[(module, attr)]
+    head = [f"from flowvm import {', '.join(sorted(public - {'Scope', 'Depends'}))}"]
     if "Depends" in w.flowvm:
         head.append("from flowvm.depends import Depends")
     if "Scope" in w.flowvm:

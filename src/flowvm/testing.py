@@ -15,17 +15,17 @@ from typing import Any, Callable, Iterable
 
 import cloudpickle
 
-from .checkpoint import capture_rng, restore_rng
 from .checkpoint import dumps as checkpoint_dumps
 from .checkpoint import loads as checkpoint_loads
 from .driver import Driver
 from .elements import Element
+from .environment import apply_random, capture_random
 
 COPIERS: dict[str, Callable[[Driver], Driver]] = {
     "pickle": lambda d: pickle.loads(pickle.dumps(d)),
     "cloudpickle": lambda d: pickle.loads(cloudpickle.dumps(d)),
     "deepcopy": copy.deepcopy,
-    "checkpoint": lambda d: checkpoint_loads(checkpoint_dumps(d), restore_random=False),
+    "checkpoint": lambda d: checkpoint_loads(checkpoint_dumps(d)),
 }
 
 
@@ -78,8 +78,9 @@ def assert_same_run(build: Callable[[], Element], cuts: Iterable[int] | None = N
     """Check that stopping at step k, copying and resuming changes nothing.
 
     ``build`` returns a fresh program (with fresh registers and seeded random
-    generators) each time it is called.  The copy and the original each go on
-    from the global random states the original reached at step k.  ``cuts`` defaults to a few step counts
+    generators) each time it is called.  The copy goes on after the global generators were moved
+    elsewhere, as in a fresh process: it must set the states it was copied with itself.  The original
+    goes on from the states it reached at step k.  ``cuts`` defaults to a few step counts
     spread over the run.  Step counts are compared too, unless ``steps=False``
     or (by default) the program holds leaves that poll work running elsewhere
     (POPEN, SPAWN), whose step counts depend on timing.  Returns the
@@ -109,13 +110,81 @@ def assert_same_run(build: Callable[[], Element], cuts: Iterable[int] | None = N
         for name in copiers:
             original = build().start()
             original.run(max_steps=k)
-            rng = capture_rng()
+            at_k = capture_random()
             clone = COPIERS[name](original)
             for who, drv in (("copy", clone), ("original", original)):
-                restore_rng(rng)  # both go on from the global random states at step k
+                if who == "copy":
+                    _scramble_random()  # as in another process: the copy sets its own states
+                else:
+                    apply_random(at_k)
                 drv.run()
                 problems = diff(expected, outcome(drv), steps)
                 if problems:
                     raise AssertionError(f"the {who} resumed after {k} steps via {name} differs from an "
                                          f"uninterrupted run:\n  " + "\n  ".join(problems))
     return expected
+
+
+def _scramble_random() -> None:
+    """Move every global generator to a state unrelated to the run's."""
+    import sys
+
+    random.seed(0x5EED)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(0x5EED)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(0x5EED)
+
+
+def digest(value: Any) -> str:
+    """A SHA-256 of value's exact contents: equal digests mean equal values bit for bit (floats by their
+    bits, arrays and tensors by dtype, shape and bytes), whatever process or machine computed them.
+    Takes None, bools, numbers, strings, bytes, numpy arrays and scalars, torch tensors, and lists, tuples
+    and dicts of these (a Registers file too)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    _feed(h, value)
+    return h.hexdigest()
+
+
+def _feed(h, value: Any) -> None:
+    import struct
+    import sys
+
+    np = sys.modules.get("numpy")
+    torch = sys.modules.get("torch")
+    if value is None or isinstance(value, (bool, int, str)):
+        h.update(f"{type(value).__name__}:{value!r};".encode())
+    elif isinstance(value, float):
+        h.update(b"float:" + struct.pack(">d", value))
+    elif isinstance(value, (bytes, bytearray)):
+        h.update(f"bytes:{len(value)}:".encode() + bytes(value))
+    elif torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+        h.update(f"tensor:{t.dtype}:{tuple(t.shape)}:".encode() + raw.numpy().tobytes())
+    elif np is not None and isinstance(value, (np.ndarray, np.generic)):
+        a = np.ascontiguousarray(value)
+        if a.dtype.hasobject:
+            h.update(f"objects:{a.shape}:".encode())
+            for item in a.ravel():
+                _feed(h, item)
+        else:
+            h.update(f"array:{a.dtype.str}:{a.shape}:".encode() + a.tobytes())
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__}:{len(value)}[".encode())
+        for item in value:
+            _feed(h, item)
+        h.update(b"]")
+    elif isinstance(value, dict):
+        h.update(f"dict:{len(value)}{{".encode())
+        for key in sorted(value, key=repr):
+            _feed(h, key)
+            _feed(h, value[key])
+        h.update(b"}")
+    else:
+        raise TypeError(f"digest: cannot digest a {type(value).__name__}; give it numbers, strings, arrays, "
+                        "tensors, or lists, tuples and dicts of these")

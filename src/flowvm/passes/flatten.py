@@ -29,7 +29,8 @@ from .rewrite import rebuild, rewrite
 
 def _plain(el: Element) -> bool:
     """A SEQ that only groups: no namespace mark, no dependency_overrides of its own."""
-    return type(el) is SEQ and el.scope is None and not el.__dict__.get("_overrides")
+    return (type(el) is SEQ and el.scope is None and not el.__dict__.get("_overrides")
+            and not el.__dict__.get("_settings"))
 
 
 def _visit(el: Element, path) -> Element:

@@ -339,7 +339,7 @@ def _fuse_seq(el: SEQ, path: tuple[int, ...], settings: FuseSettings, ctx) -> El
     flush()
     if len(out) == len(el.elements):
         return el
-    plain = el.scope is None and not el.__dict__.get("_overrides")  # else keep the SEQ and what it means
+    plain = el.scope is None and not el.__dict__.get("_overrides") and not el.__dict__.get("_settings")  # else keep the SEQ and what it means
     return out[0] if len(out) == 1 and plain else rebuild(el, out)
 
 

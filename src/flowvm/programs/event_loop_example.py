@@ -13,8 +13,8 @@ event loop, runs three other tasks:
 the driver between two steps and may save it, print it or stop it.  Started
 again in the same directory, ``main`` resumes from the checkpoint.
 
-    python programs/event_loop_example.py /tmp/run          # touch /tmp/run/STOP to stop
-    python programs/event_loop_example.py /tmp/run --demo   # makes the requests itself
+    python -m flowvm.programs.event_loop_example /tmp/run          # touch /tmp/run/STOP to stop
+    python -m flowvm.programs.event_loop_example /tmp/run --demo   # makes the requests itself
 """
 
 from __future__ import annotations

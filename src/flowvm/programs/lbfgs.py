@@ -27,7 +27,7 @@ from flowvm import CALL, SEQ, WHILE, Registers
 from flowvm.programs import check_options
 
 SHOW = ["loss", "grad_norm"]
-THREADS = 1  # the flowvm command runs these small problems on one torch thread
+THREADS = 1  # these small problems run fastest on one torch thread; build() declares it
 PROBLEMS = ("rosenbrock", "least_squares")
 
 
@@ -143,7 +143,7 @@ def build(problem: str = "rosenbrock", dim: int = 10, tol: float = 1e-8, max_ite
         ])),
         CALL(stopping.iterations, store_to=reg("iterations")),
         CALL(objective.solution, store_to=reg("x")),
-    ])
+    ]).with_process_settings({"torch.threads": THREADS})
 
 
 def report(registers) -> str:
