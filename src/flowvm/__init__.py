@@ -25,7 +25,11 @@ from .processes import POPEN, SPAWN, CommandError, SpawnError
 from .data import Batches
 from . import analysis, checkpoint, testing  # noqa: F401,E402  (flowvm.testing.assert_same_run after import flowvm)
 
-__version__ = "0.1.0"
+from . import pickled as _pickled
+
+_pickled.publish()  # every object a saved run names pickles under flowvm.NAME or flowvm.pickled.NAME
+
+__version__ = "0.2.0"
 
 __all__ = [
     "BUFFER", "CALL", "LOOP", "PRINT", "REPEAT", "SEQ", "SWITCH", "WEAVE", "WHILE", "Element",

@@ -79,7 +79,7 @@ class Depends:
             return hash("flowvm.Depends")
 
     def __reduce__(self):
-        return (_make_depends, (self.dependency, self.use_cache))
+        return (make_depends, (self.dependency, self.use_cache))
 
     def __repr__(self) -> str:
         from .printer import fn_name
@@ -88,7 +88,7 @@ class Depends:
         return f"Depends({fn_name(self.dependency)}{extra})"
 
 
-def _make_depends(dependency, use_cache):
+def make_depends(dependency, use_cache):
     return Depends(dependency, use_cache=use_cache)
 
 

@@ -8,7 +8,7 @@ flowvm's own: a program that cannot run, a checkpoint that cannot be read.
 from __future__ import annotations
 
 
-def _rebuild(cls: type, args: tuple, state: dict) -> "FlowError":
+def rebuild_error(cls: type, args: tuple, state: dict) -> "FlowError":
     """An unpickled FlowError: its args and attributes set back without calling ``__init__``."""
     err = cls.__new__(cls, *args)
     err.args = args
@@ -32,7 +32,7 @@ class FlowError(Exception):
     def __reduce__(self):
         # BaseException.__reduce__ calls cls(*self.args), which fails for subclasses whose __init__
         # takes other arguments than the message (RegisterError(message, register, path)).
-        return _rebuild, (type(self), self.args, self.__dict__)
+        return rebuild_error, (type(self), self.args, self.__dict__)
 
 
 class VerifyError(FlowError):

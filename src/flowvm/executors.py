@@ -41,7 +41,7 @@ import traceback
 import weakref
 from typing import Any
 
-from .checkpoint import _Pickler, pickle_bytes
+from .pickler import Pickler, pickle_bytes
 from .errors import FlowError
 from .registers import Registers
 
@@ -402,7 +402,7 @@ def resolve_executor(spec):
 
 
 # ----------------------------------------------------------------- the job
-class _JobPickler(_Pickler):
+class _JobPickler(Pickler):
     """flowvm's pickler (as in checkpoints), writing the parent's register file as a placeholder."""
 
     def __init__(self, buf, registers: Registers):

@@ -117,6 +117,7 @@ class POPEN(Element):
     A step that raises leaves the POPEN in place: the next step launches the
     command again.
 
+    >>> import sys
     >>> from flowvm import SEQ, Registers
     >>> reg = Registers()
     >>> prog = SEQ([POPEN([sys.executable, "-c", "print(6 * 7)"], capture=True, store_to=reg("out"))])

@@ -1,0 +1,130 @@
+"""The names that saved runs refer to.
+
+A pickled run (a checkpoint, or a pickle of a ``Driver``) names every class and function it is rebuilt
+with by module and name.  Those names must outlive the code's layout: a file written today has to load
+after the module that defines ``CALL`` or ``rebuild_driver`` has moved.  So every flowvm object a saved
+run can name pickles under one of two stable names, whatever module defines it:
+
+- ``flowvm.NAME`` for the public API (``flowvm.CALL``, ``flowvm.Registers``, ``flowvm.Batches``, ...);
+- ``flowvm.pickled.NAME`` for the helpers that rebuild a run (``rebuild_driver``, ``sentinel``, ...).
+
+The bundled programs' classes pickle under their public modules (``flowvm.programs.mlp.Trainer``).
+``publish()`` (run once, when ``flowvm`` is imported) points each object's ``__module__`` and
+``__qualname__`` at its stable name.  A name that must change all the same goes into ``LEGACY_NAMES``,
+which the loader (``find_class``) reads, so older files keep loading.
+
+>>> import pickle, flowvm
+>>> b"flowvm.elements" in pickle.dumps(flowvm.SEQ([]))
+False
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["rebuild_driver", "load_driver_bytes", "with_grad", "set_lbfgs_state", "global_generator",
+           "rebuild_storage", "rebuild_typed_storage",
+           "sentinel", "rebuild_error", "make_depends", "Scope", "DependsCALL", "FuseSettings", "ExecutorRef",
+           "find_class", "LEGACY_NAMES", "STABLE_MODULES", "publish"]
+
+# (module, name) a pickle names -> (module, name) it is found under now: for names that moved.  The
+# names files of flowvm 0.1.0 (checkpoint format 1) use, which were module paths, come first.
+LEGACY_NAMES: dict[tuple[str, str], tuple[str, str]] = {
+    **{(f"flowvm.{module}", name): ("flowvm", name) for module, names in {
+        "elements": ("Element", "CALL", "PRINT", "SEQ", "REPEAT", "LOOP", "WHILE", "SWITCH", "WEAVE", "BUFFER"),
+        "registers": ("Register", "Registers"), "driver": ("Driver", "INCOMPLETE"),
+        "processes": ("POPEN", "SPAWN", "CommandError", "SpawnError"), "passes.fuse_torch": ("FUSED",),
+        "data": ("Batches",), "depends": ("Depends",),
+        "errors": ("FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError"),
+    }.items() for name in names},
+    **{(f"flowvm.{module}", old): ("flowvm.pickled", new) for module, old, new in (
+        ("checkpoint", "rebuild_driver", "rebuild_driver"), ("checkpoint", "load_driver_bytes", "load_driver_bytes"),
+        ("checkpoint", "with_grad", "with_grad"), ("checkpoint", "_set_lbfgs_state", "set_lbfgs_state"),
+        ("checkpoint", "global_generator", "global_generator"), ("driver", "_NOVALUE", "NOVALUE"),
+        ("driver", "_PUSHED", "PUSHED"), ("driver", "PENDING", "PENDING"), ("errors", "_rebuild", "rebuild_error"),
+        ("depends", "_make_depends", "make_depends"), ("depends", "DependsCALL", "DependsCALL"),
+        ("namespaces", "Scope", "Scope"), ("passes.fuse_torch", "FuseSettings", "FuseSettings"),
+        ("executors", "ExecutorRef", "ExecutorRef"),
+    )},
+}
+
+# Modules under which saved runs may name flowvm objects (and the bundled programs' flowvm.programs.*).
+STABLE_MODULES = ("flowvm", "flowvm.pickled")
+
+# public name -> "module:attribute" where it is defined now
+_PUBLIC = {
+    name: f"flowvm.{where}:{name}" for where, names in {
+        "elements": ("Element", "CALL", "PRINT", "SEQ", "REPEAT", "LOOP", "WHILE", "SWITCH", "WEAVE", "BUFFER"),
+        "registers": ("Register", "Registers"),
+        "driver": ("Driver",),
+        "processes": ("POPEN", "SPAWN", "CommandError", "SpawnError"),
+        "passes.fuse_torch": ("FUSED",),
+        "data": ("Batches",),
+        "depends": ("Depends",),
+        "errors": ("FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError"),
+        "edit": ("EditError",),
+        "source": ("SourceError",),
+        "passes": ("PassError",),
+    }.items() for name in names
+}
+_HELPERS = {
+    "rebuild_driver": "flowvm.pickler:rebuild_driver",
+    "load_driver_bytes": "flowvm.pickler:load_driver_bytes",
+    "with_grad": "flowvm.pickler:with_grad",
+    "set_lbfgs_state": "flowvm.pickler:set_lbfgs_state",
+    "global_generator": "flowvm.pickler:global_generator",
+    "rebuild_storage": "flowvm.pickler:rebuild_storage",
+    "rebuild_typed_storage": "flowvm.pickler:rebuild_typed_storage",
+    "sentinel": "flowvm.driver:sentinel",
+    "rebuild_error": "flowvm.errors:rebuild_error",
+    "make_depends": "flowvm.depends:make_depends",
+    "Scope": "flowvm.namespaces:Scope",
+    "DependsCALL": "flowvm.depends:DependsCALL",
+    "FuseSettings": "flowvm.passes.fuse_torch:FuseSettings",
+    "ExecutorRef": "flowvm.executors:ExecutorRef",
+}
+
+
+# names found here that are not published (objects that pickle by name, not by __module__)
+_ALIASES = {
+    "NOVALUE": "flowvm.driver:_NOVALUE",
+    "PUSHED": "flowvm.driver:_PUSHED",
+    "PENDING": "flowvm.driver:PENDING",
+}
+
+
+def _resolve(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def __getattr__(name: str) -> Any:
+    # flowvm.pickled.rebuild_driver and friends, imported where they are defined on first use
+    if name in _HELPERS or name in _ALIASES:
+        value = _resolve(_HELPERS.get(name) or _ALIASES[name])
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flowvm.pickled' has no attribute {name!r}")
+
+
+def publish() -> None:
+    """Make every object above pickle under its stable name (called by flowvm/__init__.py)."""
+    for module, table in (("flowvm", _PUBLIC), ("flowvm.pickled", _HELPERS)):
+        for name, spec in table.items():
+            obj = _resolve(spec)
+            obj.__module__ = module
+            obj.__qualname__ = name
+            if isinstance(obj, type):  # its methods too: a bound method pickles by its function's name
+                for attr, value in vars(obj).items():
+                    fn = getattr(value, "__func__", value)
+                    if callable(fn) and getattr(fn, "__qualname__", None) == f"{name}.{attr}":
+                        fn.__module__ = module
+
+
+def find_class(module: str, name: str) -> tuple[str, str]:
+    """Where (module, name) named in a saved run is found now (a method, "Class.method", follows its
+    class)."""
+    head, dot, rest = name.partition(".")
+    new_module, new_head = LEGACY_NAMES.get((module, head), (module, head))
+    return new_module, new_head + dot + rest

@@ -1,0 +1,78 @@
+"""Checkpoints written by every flowvm release that changed the format (tests/fixtures/, made by
+make_fixtures.py) load and finish bit for bit, and name flowvm objects only by stable public names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import flowvm
+from flowvm.pickled import LEGACY_NAMES, STABLE_MODULES
+from flowvm.testing import digest
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+DIGESTS = json.loads((FIXTURES / "digests.json").read_text())
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the fixtures were made
+    yield
+    torch.set_num_threads(before)
+
+
+def test_every_bundled_program_has_a_fixture_of_this_release():
+    from flowvm.cli import bundled_programs
+
+    mine = {info["program"] for file, info in DIGESTS.items() if info["flowvm"] == flowvm.__version__}
+    assert mine == {name for name, _, _ in bundled_programs()}, "run tests/fixtures/make_fixtures.py"
+    assert all((FIXTURES / file).is_file() for file in DIGESTS)
+
+
+@pytest.mark.parametrize("file", sorted(DIGESTS))
+def test_a_fixture_loads_and_finishes_bit_for_bit(file, one_thread):
+    info = DIGESTS[file]
+    header = flowvm.checkpoint.read_header(FIXTURES / file)
+    assert header["flowvm"] == info["flowvm"] and header["steps"] == info["saved_at_step"]
+    drv = flowvm.load(FIXTURES / file)
+    drv.run()
+    assert digest(dict(drv.registers)) == info["registers"], f"{file} finished differently"
+    if info["program"] != "sweep":  # a SPAWN's polls depend on timing
+        assert drv.steps == info["steps"]
+
+
+def _private(module: str, name: str) -> bool:
+    if module.startswith("flowvm.programs."):
+        return any(part.startswith("_") for part in (module + "." + name).split("."))
+    return module not in STABLE_MODULES or name.startswith("_")
+
+
+@pytest.mark.parametrize("file", sorted(f for f, i in DIGESTS.items() if i["flowvm"] == flowvm.__version__))
+def test_a_fixture_of_this_release_names_only_stable_public_names(file):
+    named = [r for r in flowvm.checkpoint.references(FIXTURES / file) if r[0].split(".")[0] == "flowvm"]
+    assert named, "the reference scan found nothing"
+    private = [f"{m}.{n}" for m, n in named if _private(m, n)]
+    assert not private, f"{file} names flowvm objects by module paths that may move: {private}"
+
+
+@pytest.mark.parametrize("file", sorted(f for f, i in DIGESTS.items() if i["flowvm"] != flowvm.__version__))
+def test_an_older_fixture_names_only_what_the_legacy_table_maps(file):
+    named = [r for r in flowvm.checkpoint.references(FIXTURES / file) if r[0].split(".")[0] == "flowvm"]
+    unmapped = [f"{m}.{n}" for m, n in named
+                if _private(m, n) and (m, n.partition(".")[0]) not in LEGACY_NAMES]
+    assert not unmapped, f"{file} names {unmapped}, which flowvm.pickled.LEGACY_NAMES does not map"
+
+
+def test_the_reference_scan_sees_a_private_name(tmp_path):
+    from flowvm import CALL, Registers
+    from flowvm.checkpoint import references
+
+    reg = Registers(x=1)
+    drv = CALL(flowvm.testing._feed, None, reg("x")).start()
+    flowvm.save(drv, tmp_path / "p.ckpt")
+    assert ("flowvm.testing", "_feed") in references(tmp_path / "p.ckpt")
+    assert _private("flowvm.testing", "_feed") and not _private("flowvm", "CALL")
