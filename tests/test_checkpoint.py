@@ -28,7 +28,6 @@ from flowvm import checkpoint as ckpt
 import ckpt_helpers as h
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 SEED = 20240611
 
 
@@ -355,7 +354,7 @@ def resumed_in_subprocess(tmp_path_factory):
             flowvm.save(stopped_at(build, k), path)
             files.append(str(path))
     out = d / "out.pkl"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, "-c", "import sys, ckpt_helpers; ckpt_helpers.resume_main(sys.argv[1:])", *files, str(out)],
         env=env, capture_output=True, text=True, timeout=120, cwd=str(d),
@@ -400,7 +399,7 @@ def test_unpickle_failure_is_a_checkpoint_error(tmp_path, monkeypatch):
     mod.unlink()
     with pytest.raises(CheckpointError) as ei:
         flowvm.load(tmp_path / "v.ckpt")
-    assert "unpickle" in reason_of(ei) and "ckpt_vanishing_module" in ei.value.reason
+    assert "cannot be imported" in reason_of(ei) and "ckpt_vanishing_module" in ei.value.reason
 
 
 # ==================================================================== header
@@ -716,9 +715,11 @@ def test_signed_round_trip(tmp_path):
         drv = flowvm.load(path, key=load_key)
         drv.run()
         assert_identical(outcome(drv), expected)
-    # a signed file still loads without a key (only its checksum is checked)
+    # a signed file is refused without its key, unless the caller opts out of the signature check
+    with pytest.raises(CheckpointError, match="signed; give its key"):
+        flowvm.load(path)
     scramble_rng()
-    drv = flowvm.load(path)
+    drv = flowvm.load(path, verify=False)
     drv.run()
     assert_identical(outcome(drv), expected)
 
@@ -766,9 +767,13 @@ def test_tampered_signed_file_is_refused_before_unpickling(tmp_path):
     with pytest.raises(CheckpointError):
         load_bytes(tmp_path, forged, key=b"secret")
     assert not marker.exists()
-    # control: without a key the tampered file passes its checksum and the trap does run
-    with contextlib.suppress(Exception):
+    # without a key the signed file is refused too, before anything is unpickled
+    with pytest.raises(CheckpointError, match="signed"):
         load_bytes(tmp_path, tampered)
+    assert not marker.exists()
+    # control: opting out of the signature check, the tampered file passes its checksum and the trap runs
+    with contextlib.suppress(Exception):
+        ckpt.loads(tampered, verify=False)
     assert marker.exists()
 
 
@@ -780,15 +785,28 @@ def test_bad_keys_are_rejected(tmp_path, key):
 
 
 # ==================================================================== random states
-def test_load_restores_the_global_generators(tmp_path):
+def test_a_loaded_run_sets_the_global_generators_at_its_first_step(tmp_path):
     drv = stopped_at(build_all_kinds, 8)
     flowvm.save(drv, tmp_path / "r.ckpt")
     state_at_save = rng_state()
     draws_after_save = h.post_draws()
     scramble_rng()
-    flowvm.load(tmp_path / "r.ckpt")
+    before_load = rng_state()
+    loaded = flowvm.load(tmp_path / "r.ckpt")
+    assert_rng_state(rng_state(), before_load)  # loading changes nothing in the process
+    loaded.run(max_steps=0)  # moves nothing, sets nothing
+    assert_rng_state(rng_state(), before_load)
+    loaded.step()  # sets the saved states, then draws as the original's ninth step does
+    after_first_step = rng_state()
+    from flowvm.environment import apply_random
+    scramble_rng()
+    at_save = flowvm.load(tmp_path / "r.ckpt").saved_environment["random"]
+    apply_random(at_save)
     assert_rng_state(rng_state(), state_at_save)
     assert_identical(h.post_draws(), draws_after_save)
+    apply_random(at_save)
+    drv.step()
+    assert_rng_state(after_first_step, rng_state())
 
 
 def test_restore_random_false_leaves_global_generators_alone(tmp_path):
