@@ -6,6 +6,8 @@ terminal) or prints a plain progress line (otherwise), saves the run when
 ``every`` steps or ``every_seconds`` seconds have passed since the last save,
 and checks whether SIGINT or SIGTERM asked it to stop.  It also saves when a
 step raises (the saved run retries that step), when it pauses and at the end.
+``ckpt`` is a local Path or an fsspec URL (a str): checkpoint.save writes either
+through flowvm.storage, atomically.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def shown(drv: Driver, names: list[str]) -> str:
 class Runner:
     """Runs a driver with progress output and periodic atomic checkpoints."""
 
-    def __init__(self, drv: Driver, show: list[str], ckpt: Path | None = None, every: int | None = None,
+    def __init__(self, drv: Driver, show: list[str], ckpt: Path | str | None = None, every: int | None = None,
                  every_seconds: float | None = None, meta: dict | None = None, key: str | None = None,
                  progress: str = "auto", progress_every: float = 2.0):
         self.drv, self.show, self.ckpt, self.every, self.meta, self.key = drv, show, ckpt, every, meta or {}, key
