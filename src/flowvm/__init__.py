@@ -8,20 +8,20 @@
 """
 
 from .checkpoint import load, save
-from .driver import INCOMPLETE, Driver
-from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
-from .errors import CheckpointError, FlowError, RegisterError, SwitchError, VerifyError
+from .driver import INCOMPLETE, PENDING, Driver
+from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, Leaf
+from .errors import (CheckpointError, CommandError, EditError, FlowError, PassError, RegisterError, SourceError,
+                     SpawnError, SpawnTimeout, SwitchError, UnknownPassError, VerifyError)
 from .registers import Register, Registers
 from .verify import verify
 from .depends import Depends
-from .edit import ANY, EditError
-from . import hotpatch as _hotpatch  # noqa: F401  (gives Driver find() and at())
+from .edit import ANY
 from .namespaces import isolate, template
 from .dot import to_dot, to_mermaid
-from .source import SourceError, from_source, to_source
-from .passes import PassError, list_passes, optimize, register_pass
+from .source import from_source, to_source
+from .passes import list_passes, optimize, register_pass
 from .passes.fuse_torch import FUSED, fusable
-from .processes import POPEN, SPAWN, CommandError, SpawnError
+from .processes import POPEN, SPAWN
 from .data import Batches
 from . import analysis, checkpoint, testing  # noqa: F401,E402  (flowvm.testing.assert_same_run after import flowvm)
 
@@ -33,11 +33,11 @@ __version__ = "0.2.0"
 
 __all__ = [
     "BUFFER", "CALL", "LOOP", "PRINT", "REPEAT", "SEQ", "SWITCH", "WEAVE", "WHILE", "Element",
-    "Register", "Registers", "INCOMPLETE", "Driver",
+    "Leaf", "Register", "Registers", "INCOMPLETE", "PENDING", "Driver",
     "verify", "save", "load",
     "FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError",
-    "optimize", "list_passes", "register_pass", "PassError", "FUSED", "fusable",
-    "POPEN", "SPAWN", "CommandError", "SpawnError",
+    "optimize", "list_passes", "register_pass", "PassError", "UnknownPassError", "FUSED", "fusable",
+    "POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout",
     "Batches",
     "Depends", "ANY", "EditError", "isolate", "template", "to_dot", "to_mermaid",
     "to_source", "from_source", "SourceError",

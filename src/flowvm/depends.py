@@ -117,22 +117,6 @@ def iter_depends(obj: Any):
 
 
 # ----------------------------------------------------------------- overrides
-def _driver_overrides(drv: Driver) -> dict:
-    return drv.__dict__.setdefault("dependency_overrides", {})
-
-
-def _set_driver_overrides(drv: Driver, value: dict) -> None:
-    if not isinstance(value, dict):
-        raise TypeError(f"dependency_overrides must be a dict {{provider: replacement}}, got {type(value).__name__}")
-    drv.__dict__["dependency_overrides"] = value
-
-
-if not hasattr(Driver, "dependency_overrides"):
-    Driver.dependency_overrides = property(
-        _driver_overrides, _set_driver_overrides,
-        doc="Replacements for Depends providers in this run; they take precedence over the program's.")
-
-
 def provider_for(drv: Driver, dependency: Callable, within: tuple = ()) -> Callable:
     """The callable that stands for dependency in drv's run: an override, or dependency itself.
 

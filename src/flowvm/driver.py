@@ -331,6 +331,31 @@ class Driver:
         state["_resume"] = self._resume_for_copy()
         return state
 
+    # ---------------------------------------------------------------- editing a run
+    def find(self, pattern: Any = None, *, where: Any = None, missing_ok: bool = False):
+        """Matches in the program this driver runs; their edits patch the driver in place (hot patches:
+        see flowvm.hotpatch)."""
+        from .edit import find
+
+        return find(self, pattern, where=where, missing_ok=missing_ok)
+
+    def at(self, *paths: Any):
+        """The elements at the given paths of the driver's program, to hot-patch them."""
+        from .edit import at
+
+        return at(self, *paths)
+
+    @property
+    def dependency_overrides(self) -> dict:
+        """Replacements for Depends providers in this run; they take precedence over the program's."""
+        return self.__dict__.setdefault("dependency_overrides", {})
+
+    @dependency_overrides.setter
+    def dependency_overrides(self, value: dict) -> None:
+        if not isinstance(value, dict):
+            raise TypeError(f"dependency_overrides must be a dict {{provider: replacement}}, got {type(value).__name__}")
+        self.__dict__["dependency_overrides"] = value
+
     # ------------------------------------------------------- copies and their process
     # What this driver sets when it takes its next step (see environment.py), or None:
     # {"random": global generator states or None, "settings": {name: value}, "announce": bool}.

@@ -55,20 +55,11 @@ import types
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
-from .errors import FlowError
+from .errors import EditError
 from .paths import Path, format_path, get, parse_path, walk
 from .registers import Register, Registers
 
 
-class EditError(FlowError, LookupError):
-    """An edit that cannot be made: no match, a running element, an element that cannot go there.
-
-    ``path`` is the path of the element at fault ("" for the root).
-    """
-
-    def __init__(self, message: str, path: str = ""):
-        super().__init__(message)
-        self.path = path
 
 
 class _Any:

@@ -185,6 +185,35 @@ class Element:
         return short(self)
 
 
+class Leaf(Element):
+    """Base class of a new leaf kind that runs through the *leaf protocol* (docs/leaves.md has a worked
+    example).
+
+    - ``bind(driver, frame)`` returns a function of no arguments that the driver calls once per step.  It
+      returns the leaf's value when the leaf is finished (the driver hands it to the enclosing element), or
+      ``flowvm.PENDING`` when it only polled something still running: that poll counts as a step, and the
+      leaf stays where it is.  Set ``polls = True`` on a kind whose steps may return PENDING.
+    - Live handles the leaf keeps between polls (a process, a future, a thread) go in
+      ``driver.live[id(frame)]``: a cache, never pickled, so a copy of the run finds none and starts the
+      leaf's work again.  A handle may define ``ready_future()``, a ``concurrent.futures.Future`` done once
+      the next poll will not return PENDING: while every runnable leaf is pending, ``run()`` blocks on
+      those futures (``arun()`` awaits them) instead of polling.
+    - ``abandon(driver, frame)`` is called when an enclosing WEAVE finishes without this leaf: stop the
+      work it started.  The default drops the live handle.
+    - Registers the leaf reads or writes are declared by ``own_reads()`` and ``own_writes()`` (lists of
+      ``Register``), so that ``verify`` and the passes see them; a leaf writes its own ``store_to``.
+    - Fields are set once, in ``__init__``, with ``self._init(name=value, ...)``: elements are immutable.
+    """
+
+    is_leaf = True
+
+    def bind(self, driver: "Driver", frame: list) -> Callable[[], Any]:
+        raise NotImplementedError(f"{type(self).__name__} must define bind(driver, frame)")
+
+    def abandon(self, driver: "Driver", frame: list) -> None:
+        driver.live.pop(id(frame), None)
+
+
 def _check_element(obj: Any, owner: str, what: str) -> "Element":
     if not isinstance(obj, Element):
         raise TypeError(f"{owner}: {what} must be a flowvm element, got {type(obj).__name__} {obj!r:.60}")

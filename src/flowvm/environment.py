@@ -36,14 +36,10 @@ import sys
 import warnings
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, SettingsWarning
 
 __all__ = ["capture_random", "check_random", "apply_random", "capture_settings", "check_settings",
            "apply_settings", "SETTINGS", "SettingsWarning"]
-
-
-class SettingsWarning(UserWarning):
-    """A resumed run changed a setting of this process to the value the run was saved with."""
 
 
 # ---------------------------------------------------------------- random states

@@ -1,4 +1,4 @@
-"""Exceptions raised by flowvm.
+"""Every exception and warning class of flowvm, in one place.
 
 User exceptions raised inside a CALL keep their own type; flowvm only adds a
 note saying where they happened.  The classes here are for errors that are
@@ -6,6 +6,12 @@ flowvm's own: a program that cannot run, a checkpoint that cannot be read.
 """
 
 from __future__ import annotations
+
+import signal
+import subprocess
+
+# how much of a failed command's stderr its CommandError quotes
+TAIL_CHARS = 2000
 
 
 def rebuild_error(cls: type, args: tuple, state: dict) -> "FlowError":
@@ -79,3 +85,90 @@ class CheckpointError(FlowError):
         super().__init__(f"checkpoint {str(path)!r}: {reason}")
         self.path = path
         self.reason = reason
+
+
+class SpawnError(FlowError):
+    """A SPAWN could not run its fragment: a dead worker, a cancelled task, an executor gone.
+
+    A fragment that raises is not a SpawnError: its own exception is raised
+    again in the parent, with the child's traceback as a note.
+    """
+
+
+class SpawnTimeout(SpawnError, TimeoutError):
+    """A SPAWN's fragment ran longer than the SPAWN's timeout."""
+
+
+class SourceError(FlowError, ValueError):
+    """A program holds something that has no source form; ``path`` names the element."""
+
+    def __init__(self, message: str, path: str = ""):
+        super().__init__(message)
+        self.path = path
+
+
+class EditError(FlowError, LookupError):
+    """An edit that cannot be made: no match, a running element, an element that cannot go there.
+
+    ``path`` is the path of the element at fault ("" for the root).
+    """
+
+    def __init__(self, message: str, path: str = ""):
+        super().__init__(message)
+        self.path = path
+
+
+class CommandError(FlowError, subprocess.CalledProcessError):
+    """A POPEN with check=True exited with a non-zero code; the message ends with the tail of its stderr."""
+
+    def __str__(self) -> str:
+        rc = self.returncode
+        if rc < 0:
+            try:
+                how = f"died of signal {signal.Signals(-rc).name}"
+            except ValueError:
+                how = f"died of signal {-rc}"
+        else:
+            how = f"exited with code {rc}"
+        text = f"command {self.cmd!r} {how}"
+        tail = self.stderr
+        if isinstance(tail, bytes):
+            tail = tail.decode(errors="replace")
+        if tail:
+            tail = tail[-TAIL_CHARS:]
+            text += "; the end of its stderr:\n" + tail.rstrip("\n")
+        return text
+
+
+class PassError(FlowError):
+    """A pass failed or produced a program that does not verify.
+
+    ``pass_name`` names the pass; ``path`` and ``register`` come from the
+    verifier's error when there is one.
+    """
+
+    def __init__(self, message: str, pass_name: str, path: str = "", register: str | None = None):
+        super().__init__(message)
+        self.pass_name = pass_name
+        self.path = path
+        self.register = register
+
+
+class UnknownPassError(PassError, KeyError):
+    """A pass name that is not registered, or options for a pass that is not in the pipeline (a PassError,
+    and a KeyError as a failed lookup)."""
+
+    def __str__(self) -> str:  # the message as it is (a KeyError would quote it)
+        return str(self.args[0]) if self.args else ""
+
+
+class FusionWarning(RuntimeWarning):
+    """A fused step could not be compiled and runs eagerly."""
+
+
+class CopyWarning(UserWarning):
+    """A copy of a run (pickle, checkpoint) leaves out something the run uses."""
+
+
+class SettingsWarning(UserWarning):
+    """A resumed run changed a setting of this process to the value the run was saved with."""

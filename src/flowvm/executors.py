@@ -42,7 +42,7 @@ import weakref
 from typing import Any
 
 from .pickler import Pickler, pickle_bytes
-from .errors import FlowError
+from .errors import SpawnError, SpawnTimeout
 from .registers import Registers
 
 _lock = threading.RLock()
@@ -59,18 +59,6 @@ _moved: "weakref.WeakSet[cf.Future]" = weakref.WeakSet()  # tasks left unstarted
 _report_start = None  # in a default pool's worker: puts (nonce, start time) on the pool's start queue
 _named: dict[str, Any] = {}
 _by_token: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
-
-
-class SpawnError(FlowError):
-    """A SPAWN could not run its fragment: a dead worker, a cancelled task, an executor gone.
-
-    A fragment that raises is not a SpawnError: its own exception is raised
-    again in the parent, with the child's traceback as a note.
-    """
-
-
-class SpawnTimeout(SpawnError, TimeoutError):
-    """A SPAWN's fragment ran longer than the SPAWN's timeout."""
 
 
 def main_guard_hint() -> str:

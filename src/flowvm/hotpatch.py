@@ -271,22 +271,3 @@ def patch_driver(drv: Driver, found: list[Match], op: str, new: Any) -> Driver:
         except Exception:
             pass  # a move that fails is retried, and raised, by the next step
     return drv
-
-
-def _find_on_driver(self: Driver, pattern: Any = None, *, where: Any = None, missing_ok: bool = False):
-    """Matches in the program this driver runs; their edits patch the driver in place (see flowvm.hotpatch)."""
-    from .edit import find
-
-    return find(self, pattern, where=where, missing_ok=missing_ok)
-
-
-def _at_on_driver(self: Driver, *paths: Any):
-    """The elements at the given paths of the driver's program, to hot-patch them."""
-    from .edit import at
-
-    return at(self, *paths)
-
-
-for _name, _fn in (("find", _find_on_driver), ("at", _at_on_driver)):
-    if not hasattr(Driver, _name):
-        setattr(Driver, _name, _fn)

@@ -58,14 +58,12 @@ _PUBLIC = {
         "elements": ("Element", "CALL", "PRINT", "SEQ", "REPEAT", "LOOP", "WHILE", "SWITCH", "WEAVE", "BUFFER"),
         "registers": ("Register", "Registers"),
         "driver": ("Driver",),
-        "processes": ("POPEN", "SPAWN", "CommandError", "SpawnError"),
+        "processes": ("POPEN", "SPAWN"),
         "passes.fuse_torch": ("FUSED",),
         "data": ("Batches",),
         "depends": ("Depends",),
-        "errors": ("FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError"),
-        "edit": ("EditError",),
-        "source": ("SourceError",),
-        "passes": ("PassError",),
+        "errors": ("FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError", "CommandError",
+                   "SpawnError", "SpawnTimeout", "EditError", "SourceError", "PassError", "UnknownPassError"),
     }.items() for name in names
 }
 _HELPERS = {
@@ -110,9 +108,13 @@ def __getattr__(name: str) -> Any:
 
 def publish() -> None:
     """Make every object above pickle under its stable name (called by flowvm/__init__.py)."""
+    import sys
+
     for module, table in (("flowvm", _PUBLIC), ("flowvm.pickled", _HELPERS)):
         for name, spec in table.items():
             obj = _resolve(spec)
+            if module == "flowvm" and getattr(sys.modules["flowvm"], name, None) is not obj:
+                raise ImportError(f"flowvm.pickled: {name} is not exported by flowvm, so it could not unpickle")
             obj.__module__ = module
             obj.__qualname__ = name
             if isinstance(obj, type):  # its methods too: a bound method pickles by its function's name

@@ -21,7 +21,7 @@ from typing import Any
 import cloudpickle
 
 from .environment import check_random, check_settings
-from .errors import CheckpointError
+from .errors import CheckpointError, CopyWarning
 
 def global_generator(name: str) -> Any:
     """The process-wide generator object named name ("random", "numpy" or "torch")."""
@@ -263,10 +263,6 @@ def _warn_dropped(what: str) -> None:
     warnings.warn(f"flowvm: a copy of this run leaves out the {what}: torch does not pickle them, so the "
                   "copy would run without them. Register such hooks in a CALL of the program (so that "
                   "the copy runs it too), or keep the run in this process.", CopyWarning, stacklevel=2)
-
-
-class CopyWarning(UserWarning):
-    """A copy of a run (pickle, checkpoint) leaves out something the run uses."""
 
 
 def _reduce_patched_method(fn):

@@ -45,9 +45,9 @@ from typing import Any
 
 from .analysis import writes
 from .driver import PENDING
-from .elements import Element, _check_element, _check_target
-from .errors import FlowError, VerifyError
-from .executors import (ExecutorRef, Job, SpawnError, SpawnTimeout, check_executor, default_executor,
+from .elements import Element, Leaf, _check_element, _check_target
+from .errors import TAIL_CHARS, CommandError, SpawnError, SpawnTimeout, VerifyError
+from .executors import (ExecutorRef, Job, check_executor, default_executor,
                         executor_name, executor_token, register_executor, shutdown_default_executor)
 from .registers import Register, iter_registers, resolve
 
@@ -57,7 +57,6 @@ __all__ = ["POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout", "regi
 KILL_GRACE = 0.5
 """Seconds a killed POPEN's process group has between SIGTERM and SIGKILL."""
 
-_TAIL_CHARS = 2000
 
 
 def _check_timeout(timeout: Any, owner: str) -> float | None:
@@ -75,29 +74,10 @@ def _print_value(value: Any, limit: int = 60) -> str:
 
 
 # ===================================================================== POPEN
-class CommandError(FlowError, subprocess.CalledProcessError):
-    """A POPEN with check=True exited with a non-zero code; the message ends with the tail of its stderr."""
-
-    def __str__(self) -> str:
-        rc = self.returncode
-        if rc < 0:
-            try:
-                how = f"died of signal {signal.Signals(-rc).name}"
-            except ValueError:
-                how = f"died of signal {-rc}"
-        else:
-            how = f"exited with code {rc}"
-        text = f"command {self.cmd!r} {how}"
-        tail = self.stderr
-        if isinstance(tail, bytes):
-            tail = tail.decode(errors="replace")
-        if tail:
-            tail = tail[-_TAIL_CHARS:]
-            text += "; the end of its stderr:\n" + tail.rstrip("\n")
-        return text
 
 
-class POPEN(Element):
+
+class POPEN(Leaf):
     """One leaf that runs an OS command: launched on its first step, polled by every later one.
 
     ``args`` is a list of arguments (Registers anywhere in it are read when
@@ -301,7 +281,7 @@ class _Tee:
                 if not chunk:
                     break
                 self.tail += chunk
-                del self.tail[:-4 * _TAIL_CHARS]
+                del self.tail[:-4 * TAIL_CHARS]
                 try:
                     sys.stderr.write(decoder.decode(chunk))
                     sys.stderr.flush()
@@ -376,7 +356,7 @@ class _Process:
 
 
 # ===================================================================== SPAWN
-class SPAWN(Element):
+class SPAWN(Leaf):
     """Run a program fragment in another process; merge back the registers it writes.
 
     Only the registers the fragment reads are shipped (their values when the

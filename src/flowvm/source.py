@@ -41,21 +41,13 @@ import types
 from typing import Any, Iterable
 
 from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
-from .errors import FlowError
+from .errors import SourceError
 from .paths import format_path, walk
 from .registers import Register, Registers
 
 WIDTH = 100
 _FLOWVM_NAMES = {SEQ: "SEQ", REPEAT: "REPEAT", LOOP: "LOOP", WHILE: "WHILE", SWITCH: "SWITCH", WEAVE: "WEAVE",
                  BUFFER: "BUFFER", CALL: "CALL", PRINT: "PRINT"}
-
-
-class SourceError(FlowError, ValueError):
-    """A program holds something that has no source form; ``path`` names the element."""
-
-    def __init__(self, message: str, path: str = ""):
-        super().__init__(message)
-        self.path = path
 
 
 def _import_of(obj: Any) -> tuple[str, str] | None:

@@ -37,34 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from ..elements import Element
-from ..errors import FlowError, VerifyError
+from ..errors import PassError, UnknownPassError, VerifyError
 
 __all__ = [
     "Pass", "PassError", "PassContext", "optimize", "register_pass", "unregister_pass", "get_pass",
     "list_passes", "DEFAULT_PIPELINE", "current_context",
 ]
-
-
-class PassError(FlowError):
-    """A pass failed or produced a program that does not verify.
-
-    ``pass_name`` names the pass; ``path`` and ``register`` come from the
-    verifier's error when there is one.
-    """
-
-    def __init__(self, message: str, pass_name: str, path: str = "", register: str | None = None):
-        super().__init__(message)
-        self.pass_name = pass_name
-        self.path = path
-        self.register = register
-
-
-class UnknownPassError(PassError, KeyError):
-    """A pass name that is not registered, or options for a pass that is not in the pipeline (a PassError,
-    and a KeyError as a failed lookup)."""
-
-    def __str__(self) -> str:  # the message as it is (a KeyError would quote it)
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ from ..elements import CALL, SEQ, Element
 from ..paths import format_path
 from ..registers import Register, iter_registers
 from . import current_context, register_pass
-from .fused_runtime import FusionWarning, Runtime, is_barrier
+from ..errors import FusionWarning
+from .fused_runtime import Runtime, is_barrier
 from .rewrite import rebuild, rewrite, under_weave
 
 __all__ = ["FUSED", "FuseSettings", "FusionWarning", "fusable", "is_fusable", "fuse_torch", "fused_step", "set_form"]

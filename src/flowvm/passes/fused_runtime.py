@@ -45,16 +45,13 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from ..errors import FusionWarning
 from ..registers import Register
 
 
 MIN_TRIAL_SECONDS = 0.02   # a trial times each form for at least this long (and ``trials`` executions)
 RECHECK_FACTOR = 1         # the k-th decision is checked again after (executions timed) * 10**k more
 MAX_RECHECKS = 3
-
-
-class FusionWarning(RuntimeWarning):
-    """A fused step could not be compiled and runs eagerly."""
 
 
 class _WarmedUp(Exception):
