@@ -12,7 +12,7 @@ import pytest
 
 from flowvm import CALL, POPEN, REPEAT, SEQ, SPAWN, WEAVE, Registers, VerifyError
 from flowvm.analysis import reads, writes
-from flowvm.driver import _has_weave
+from flowvm.driver import has_weave
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -52,8 +52,8 @@ def test_analysis_and_verification_see_through_a_spawn():
 def test_a_weave_inside_a_fragment_keeps_the_parent_on_its_fast_path():
     reg = Registers(x=1)
     inner = SPAWN(WEAVE(-1, [CALL(square, reg("x"), store_to=reg("a")), CALL(square, reg("x"), store_to=reg("b"))]))
-    assert not _has_weave(SEQ([REPEAT(3, CALL(square, reg("x"))), inner]))
-    assert _has_weave(WEAVE(-1, [inner]))
+    assert not has_weave(SEQ([REPEAT(3, CALL(square, reg("x"))), inner]))
+    assert has_weave(WEAVE(-1, [inner]))
     SEQ([REPEAT(3, CALL(square, reg("x"))), inner]).run()
     assert reg["a"] == reg["b"] == 1
 

@@ -8,7 +8,8 @@
 """
 
 from .checkpoint import load, save
-from .driver import INCOMPLETE, PENDING, Driver
+from .driver import Driver
+from .sentinels import INCOMPLETE, PENDING
 from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, Leaf
 from .errors import (CheckpointError, CommandError, EditError, FlowError, PassError, RegisterError, SourceError,
                      SpawnError, SpawnTimeout, SwitchError, UnknownPassError, VerifyError)

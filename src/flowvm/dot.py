@@ -69,25 +69,16 @@ def _split(target: Any, owner: str) -> tuple[Element, Any]:
 
 def frame_states(drv) -> dict[Path, tuple[str, str]]:
     """Path -> (state, counters comment) for every frame of a driver (see the module docstring)."""
-    from .driver import _W_SEGS, child_index
-    from .printer import frame_comment
+    from .frames import comment, walk
 
     states: dict[Path, tuple[str, str]] = {}
-
-    def visit(frames: list, path: Path, top: str, middle: str) -> None:
-        for k, fr in enumerate(frames):
-            if k:
-                path = path + (child_index(frames[k - 1]),)
-            state = top if k == len(frames) - 1 else middle
-            if path not in states or state in ("next", "resume"):
-                states[path] = (state, frame_comment(fr))
-            if type(fr[0]) is WEAVE and len(fr) > 1:
-                for j, seg in enumerate(fr[_W_SEGS]):
-                    if seg:
-                        visit(seg, path + (j,), "resume", "paused")
-
-    if not drv.done and drv._stack:
-        visit(drv._stack, (), "next", "running")
+    if drv.done or not drv._stack:
+        return states
+    for path, chain, k, paused in walk(drv._stack):
+        top = k == len(chain) - 1
+        state = ("resume" if top else "paused") if paused else ("next" if top else "running")
+        if path not in states or state in ("next", "resume"):
+            states[path] = (state, comment(chain[k]))
     return states
 
 

@@ -6,7 +6,7 @@ State of a run (all plain data, so a half-run driver pickles and copies):
   the element; the rest is that element's counters (see the layouts below).
   A frame of length 1 is *unstarted* for a container and *ready* for a leaf.
 - ``_carry``: a value in transit from a finished child to the frame on top of
-  the stack (``_NOVALUE`` when none).
+  the stack (``NOVALUE`` when none).
 - WEAVE frames hold the paused frames of their inactive children as
   *segments*; the active child's frames sit on the main stack above the WEAVE.
 
@@ -42,14 +42,8 @@ exactly the frames settling would: a leaf repeated by its REPEAT
 (``_repeat_seq``, run() only), and a leaf followed by a simple sibling in its
 SEQ (``_after_leaf``).
 
-Frame layouts (index 0 is always the element):
-    SEQ     [el, pos]
-    REPEAT  [el, i, n, last]
-    BUFFER  [el, i, n, values]
-    LOOP    [el, steps_at_iteration_start, iterations]
-    WHILE   [el, phase (0: condition, 1: body), last, iterations]
-    SWITCH  [el, child_index]
-    WEAVE   [el, active, segments, finished, values, credits, n_finished, rotate_due]
+Frames and their layouts belong to flowvm/frames.py, which also holds the moves through each element
+kind (``START``/``NEXT``).
 """
 
 from __future__ import annotations
@@ -61,49 +55,17 @@ from time import monotonic
 from typing import Any
 
 from .compile import leaf_function
+from .frames import (NEXT, START, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_ROTATE, WEAVE_SEGMENTS, child_index, marks,
+                     walk as walk_frames, weave_pick)
 from .environment import apply_random, apply_settings, capture_random, capture_settings, check_settings
-from .elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
-from .errors import FlowError, RegisterError, SwitchError
+from .elements import REPEAT, SEQ, WEAVE, Element
+from .errors import RegisterError, SwitchError
 from .idle import Idle as _Idle
 from .paths import format_path, walk
-from .registers import Register, Registers
+from .registers import Registers
+from .sentinels import INCOMPLETE, NOVALUE, PENDING, PUSHED  # noqa: F401  (PENDING: the leaf protocol's)
 
 
-class _Sentinel:
-    """A named singleton that survives pickling as itself."""
-
-    def __init__(self, name: str):
-        self._name = name
-        _SENTINELS[name] = self
-
-    def __repr__(self) -> str:
-        return self._name
-
-    def __reduce__(self):
-        return sentinel, (self._name,)
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-
-_SENTINELS: dict[str, "_Sentinel"] = {}
-
-
-def sentinel(name: str) -> "_Sentinel":
-    """The singleton named name (how sentinels unpickle)."""
-    return _SENTINELS[name]
-
-
-INCOMPLETE = _Sentinel("INCOMPLETE")
-PENDING = _Sentinel("PENDING")
-_NOVALUE = _Sentinel("_NOVALUE")
-_PUSHED = _Sentinel("_PUSHED")
-
-# WEAVE frame slots
-_W_ACTIVE, _W_SEGS, _W_FINISHED, _W_VALUES, _W_CREDITS, _W_NDONE, _W_ROTATE = range(1, 8)
 
 
 class Driver:
@@ -134,11 +96,10 @@ class Driver:
         self.done = False
         self.result: Any = None
         self._stack: list[list] = [[program]]
-        self._carry: Any = _NOVALUE
+        self._carry: Any = NOVALUE
         self._ready = False
         self._rotate = False
-        self._fresh: int | None = None  # see _settle
-        self._weave = _has_weave(program)
+        self._weave = has_weave(program)
         declared = program.process_settings
         if declared:
             self._resume = {"random": None, "settings": dict(declared), "announce": False}
@@ -314,9 +275,16 @@ class Driver:
         return out
 
     def __str__(self) -> str:
-        from .printer import driver_listing
+        """The listing of the program with the run's position: '>>' at the next leaf, '..' where paused
+        WEAVE children resume, the loop counters as comments, and the step count."""
+        from .printer import fmt, listing
 
-        return driver_listing(self)
+        if self.done:
+            state = f"finished after {self.steps} steps, result {fmt(self.result, 60)}"
+        else:
+            pos = self.position
+            state = f"step {self.steps}, next: path {pos!r}" if pos is not None else f"step {self.steps}"
+        return f"# flowvm driver: {state}\n" + listing(self.program, {} if self.done else marks(self._stack))
 
     def __repr__(self) -> str:
         state = "finished" if self.done else f"at {self.position!r}" if self._ready else "not settled"
@@ -577,7 +545,7 @@ class Driver:
         """Hand finished values up, take WEAVE turns, and descend to the next leaf."""
         stack = self._stack
         value = self._carry
-        nexts, starts, pushed, novalue = _NEXT, _START, _PUSHED, _NOVALUE
+        nexts, starts, pushed, novalue = NEXT, START, PUSHED, NOVALUE
         # The frames this settle starts: those of them right below the next leaf have taken no step
         # yet, so a hot patch may rewind them (see _fresh and flowvm.hotpatch).
         entered: dict[int, list] = {}  # id -> frame (held, so that no id is reused meanwhile)
@@ -614,7 +582,7 @@ class Driver:
                     value = r
         except Exception as err:
             # the move that failed is retried from here; or the frame it failed in was re-entered
-            self._carry = _NOVALUE if getattr(err, "_flowvm_rewound", False) else value
+            self._carry = NOVALUE if getattr(err, "_flowvm_rewound", False) else value
             if not getattr(err, "_flowvm_noted", False):
                 self._annotate(err, "finishing" if value is not novalue else "entering")
             raise
@@ -623,11 +591,11 @@ class Driver:
         """After a leaf: every WEAVE around it counts one step of its active child's turn."""
         for fr in self._stack:
             if type(fr[0]) is WEAVE:
-                credits = fr[_W_CREDITS]
-                a = fr[_W_ACTIVE]
+                credits = fr[WEAVE_CREDITS]
+                a = fr[WEAVE_ACTIVE]
                 credits[a] -= 1
                 if credits[a] < 1:
-                    fr[_W_ROTATE] = True
+                    fr[WEAVE_ROTATE] = True
                     self._rotate = True
 
     def _rotate_weaves(self) -> None:
@@ -636,16 +604,16 @@ class Driver:
         stack = self._stack
         for k in range(len(stack) - 1, -1, -1):
             fr = stack[k]
-            if type(fr[0]) is WEAVE and len(fr) > 1 and fr[_W_ROTATE]:
-                fr[_W_ROTATE] = False
-                a = fr[_W_ACTIVE]
-                segs = fr[_W_SEGS]
+            if type(fr[0]) is WEAVE and len(fr) > 1 and fr[WEAVE_ROTATE]:
+                fr[WEAVE_ROTATE] = False
+                a = fr[WEAVE_ACTIVE]
+                segs = fr[WEAVE_SEGMENTS]
                 segs[a] = stack[k + 1:]
                 del stack[k + 1:]
-                b = _weave_pick(fr, a + 1)
+                b = weave_pick(fr, a + 1)
                 stack.extend(segs[b])
                 segs[b] = None
-                fr[_W_ACTIVE] = b
+                fr[WEAVE_ACTIVE] = b
 
     def _running_error(self, err: BaseException) -> BaseException:
         """err raised by the leaf on top, annotated; a register the leaf reads that holds no value (the
@@ -686,24 +654,14 @@ def running_in(el: Element) -> "tuple[Driver, str] | None":
 
     Editing el in place (``flowvm.edit``) would pull the children out from under such a frame.
     """
-    def frames(chain):
-        for fr in chain:
-            yield fr
-            if type(fr[0]) is WEAVE and len(fr) > 1:
-                for seg in fr[_W_SEGS]:
-                    if seg:
-                        yield from frames(seg)
-
     for drv in list(_DRIVERS):
         if drv.done:
             continue
         live = drv.__dict__.get("_live") or {}
-        for fr in frames(drv._stack):
+        for path, chain, k, paused in walk_frames(drv._stack):
+            fr = chain[k]
             if fr[0] is el and (len(fr) > 1 or id(fr) in live):  # a container in progress, a polling leaf
-                for path, frame in drv.frame_paths():
-                    if frame is fr:
-                        return drv, format_path(path)
-                return drv, "(a paused WEAVE child)"
+                return drv, "(a paused WEAVE child)" if paused else format_path(path)
     return None
 
 
@@ -729,7 +687,7 @@ def refresh_drivers_holding(el: Element) -> None:
     for drv in list(_DRIVERS):
         if drv.done or not any(x is el for _, x in walk(drv.program)):
             continue
-        drv._weave = _has_weave(drv.program)
+        drv._weave = has_weave(drv.program)
         drv._leaf = drv._fast = drv._fastseq = None
         if drv._ready and drv._stack and not drv._stack[-1][0].is_leaf:
             drv._ready = False  # the next leaf became a container: settle into it
@@ -759,7 +717,7 @@ def _deadline(timeout) -> float | None:
     return monotonic() + float(timeout)
 
 
-def _has_weave(program: Element) -> bool:
+def has_weave(program: Element) -> bool:
     """Whether the driver runs a WEAVE (fragments inside other leaves, such as a SPAWN's, do not count)."""
     todo = [program]
     while todo:
@@ -769,277 +727,3 @@ def _has_weave(program: Element) -> bool:
         if not el.is_leaf:
             todo.extend(el.children)
     return False
-
-
-# ---------------------------------------------------------------- element kinds
-def child_index(fr: list) -> int:
-    """Index (in ``children``) of the child a started container frame is running."""
-    kind = type(fr[0])
-    if kind is SEQ or kind is SWITCH or kind is WEAVE:
-        return fr[1]
-    if kind is WHILE:
-        return fr[1]
-    return 0
-
-
-def read_register(drv: Driver, reg: Register, what: str) -> Any:
-    try:
-        return drv.registers[reg.name]
-    except KeyError:
-        raise RegisterError(f"{what}: register {reg.name!r} holds no value", reg.name) from None
-
-
-def _count(drv: Driver, el: Element) -> int:
-    n = el.n
-    if isinstance(n, Register):
-        n = read_register(drv, n, f"{el.kind} count")
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-            raise TypeError(f"{el.kind} count register {el.n.name!r} holds {type(n).__name__} {n!r:.60}, "
-                            "expected an int >= 0")
-        if n < 0:
-            raise ValueError(f"{el.kind} count register {el.n.name!r} holds {n}, expected an int >= 0")
-        n = int(n)
-    return n
-
-
-def _start_seq(drv, fr):
-    el = fr[0]
-    if not el.elements:
-        return None
-    fr.append(0)
-    drv._stack.append([el.elements[0]])
-    return _PUSHED
-
-
-def _next_seq(drv, fr, value):
-    el = fr[0]
-    pos = fr[1] + 1
-    if pos == len(el.elements):
-        return value
-    fr[1] = pos
-    drv._stack.append([el.elements[pos]])
-    return _PUSHED
-
-
-def _start_repeat(drv, fr):
-    el = fr[0]
-    n = _count(drv, el)
-    if el.counter is not None:
-        drv.registers[el.counter.name] = 0
-    if n == 0:
-        return None
-    fr.extend((0, n, None))
-    drv._stack.append([el.body])
-    return _PUSHED
-
-
-def _next_repeat(drv, fr, value):
-    el = fr[0]
-    i = fr[1] = fr[1] + 1
-    fr[3] = value
-    if el.counter is not None:
-        drv.registers[el.counter.name] = i
-    if i < fr[2]:
-        drv._stack.append([el.body])
-        return _PUSHED
-    return value
-
-
-def _start_buffer(drv, fr):
-    el = fr[0]
-    n = _count(drv, el)
-    if n == 0:
-        return _store(drv, el, [])
-    fr.extend((0, n, []))
-    drv._stack.append([el.body])
-    return _PUSHED
-
-
-def _next_buffer(drv, fr, value):
-    el = fr[0]
-    fr[3].append(value)
-    i = fr[1] = fr[1] + 1
-    if i < fr[2]:
-        drv._stack.append([el.body])
-        return _PUSHED
-    return _store(drv, el, collect(fr[3]))
-
-
-def _store(drv, el, value):
-    if el.store_to is not None:
-        drv.registers[el.store_to.name] = value
-    return value
-
-
-def collect(values: list) -> Any:
-    """BUFFER's value: one stacked numpy array or torch tensor when possible, else the list."""
-    if not values:
-        return values
-    np = sys.modules.get("numpy")
-    if np is not None and all(isinstance(v, (np.ndarray, np.generic)) for v in values):
-        if len({np.shape(v) for v in values}) == 1:
-            return np.stack(values)
-        return values
-    torch = sys.modules.get("torch")
-    if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
-        if len({tuple(v.shape) for v in values}) == 1:
-            return torch.stack(values)
-    return values
-
-
-def _start_loop(drv, fr):
-    fr.extend((drv.steps, 0))
-    drv._stack.append([fr[0].body])
-    return _PUSHED
-
-
-def _failed_again(fr: list, size: int, err: Exception) -> bool:
-    """A move out of fr failed: whether it had failed before with the same value.
-
-    The first failure comes right after the leaf that produced the value (and is raised at the start of
-    the next step, which retries the move); the retry that raises it marks the frame to be re-entered,
-    so that the step after it recomputes what failed (the cause may have been fixed meanwhile)."""
-    if len(fr) == size:
-        fr.append(True)
-        return False
-    del fr[size:]
-    err._flowvm_rewound = True  # the settle's caller: nothing to carry, the next step starts afresh
-    return True
-
-
-def _next_loop(drv, fr, value):
-    if drv.steps == fr[1]:
-        err = FlowError("LOOP body finished an iteration without taking a step; it would spin forever "
-                        "(does a REPEAT or BUFFER count in it hold 0?)")
-        if _failed_again(fr, 3, err):
-            fr[1] = drv.steps  # the next step enters the body again, reading its counts anew
-            drv._stack.append([fr[0].body])
-        raise err
-    del fr[3:]
-    fr[1] = drv.steps
-    fr[2] += 1
-    drv._stack.append([fr[0].body])
-    return _PUSHED
-
-
-def _start_while(drv, fr):
-    fr.extend((0, None, 0))
-    drv._stack.append([fr[0].cond])
-    return _PUSHED
-
-
-def _next_while(drv, fr, value):
-    el = fr[0]
-    if fr[1] == 0:
-        if value:
-            fr[1] = 1
-            drv._stack.append([el.body])
-            return _PUSHED
-        return fr[2]
-    fr[2] = value
-    fr[3] += 1
-    fr[1] = 0
-    drv._stack.append([el.cond])
-    return _PUSHED
-
-
-def _switch_case(el: SWITCH, value: Any) -> int:
-    idx = el.case_index(value)
-    if idx < 0:
-        cases = ", ".join(repr(k) for k in el.cases)
-        raise SwitchError(f"SWITCH has no case for selector value {value!r:.80} (cases: {cases}) and no default",
-                          value)
-    return idx
-
-
-def _start_switch(drv, fr):
-    el = fr[0]
-    if isinstance(el.selector, CALL):
-        fr.append(0)
-        drv._stack.append([el.selector])
-        return _PUSHED
-    idx = _switch_case(el, read_register(drv, el.selector, "SWITCH selector"))
-    fr.append(idx)
-    drv._stack.append([el.children[idx]])
-    return _PUSHED
-
-
-def _next_switch(drv, fr, value):
-    el = fr[0]
-    if fr[1] == 0 and isinstance(el.selector, CALL):
-        try:
-            idx = _switch_case(el, value)
-        except SwitchError as err:
-            if _failed_again(fr, 2, err):
-                drv._stack.append([el.selector])  # the next step runs the selector again
-            raise
-        del fr[2:]
-        fr[1] = idx
-        drv._stack.append([el.children[idx]])
-        return _PUSHED
-    return value
-
-
-def _weave_pick(fr: list, start: int) -> int:
-    """The child whose turn comes next, from index start on, giving each skipped child its credit."""
-    el = fr[0]
-    n = len(el.elements)
-    finished = fr[_W_FINISHED]
-    credits = fr[_W_CREDITS]
-    weights = el.weights
-    j = start % n
-    while True:
-        if not finished[j]:
-            credits[j] += weights[j] if weights is not None else 1
-            if credits[j] >= 1:
-                return j
-        j = (j + 1) % n
-
-
-def _start_weave(drv, fr):
-    el = fr[0]
-    n = len(el.elements)
-    if el.required == 0:
-        return [None] * n
-    fr.extend((0, [[[c]] for c in el.elements], [False] * n, [None] * n, [0] * n, 0, False))
-    a = _weave_pick(fr, 0)
-    fr[_W_ACTIVE] = a
-    segs = fr[_W_SEGS]
-    drv._stack.extend(segs[a])
-    segs[a] = None
-    return _PUSHED
-
-
-def _next_weave(drv, fr, value):
-    a = fr[_W_ACTIVE]
-    fr[_W_FINISHED][a] = True
-    fr[_W_VALUES][a] = value
-    fr[_W_CREDITS][a] = 0
-    fr[_W_ROTATE] = False
-    fr[_W_NDONE] += 1
-    if fr[_W_NDONE] >= fr[0].required:
-        _abandon(drv, fr)
-        return list(fr[_W_VALUES])
-    b = _weave_pick(fr, a + 1)
-    fr[_W_ACTIVE] = b
-    segs = fr[_W_SEGS]
-    drv._stack.extend(segs[b])
-    segs[b] = None
-    return _PUSHED
-
-
-def _abandon(drv, fr) -> None:
-    """Tell the leaves of a finishing WEAVE's unfinished children that they are dropped."""
-    for seg in fr[_W_SEGS]:
-        for sub in seg or ():
-            el = sub[0]
-            if type(el) is WEAVE and len(sub) > 1:
-                _abandon(drv, sub)
-            elif el.is_leaf and hasattr(el, "abandon"):
-                el.abandon(drv, sub)
-
-
-_START = {SEQ: _start_seq, REPEAT: _start_repeat, BUFFER: _start_buffer, LOOP: _start_loop,
-          WHILE: _start_while, SWITCH: _start_switch, WEAVE: _start_weave}
-_NEXT = {SEQ: _next_seq, REPEAT: _next_repeat, BUFFER: _next_buffer, LOOP: _next_loop,
-         WHILE: _next_while, SWITCH: _next_switch, WEAVE: _next_weave}

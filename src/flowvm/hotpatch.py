@@ -37,7 +37,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .driver import _W_ACTIVE, _W_CREDITS, _W_FINISHED, _W_SEGS, _W_VALUES, Driver, child_index
+from .driver import Driver, has_weave
+from .frames import SEQ_POS, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_FINISHED, WEAVE_SEGMENTS, WEAVE_VALUES
+from .frames import walk as walk_frames
 from .edit import EditError, Match, NoFrames, carry_overrides, edit_tree
 from .elements import WEAVE, Element
 from .paths import Path, format_path, get, walk
@@ -77,7 +79,7 @@ class DriverFrames(NoFrames):
     def _copy(self, fr: list) -> _Frame:
         data = list(fr)
         if type(fr[0]) is WEAVE and len(fr) > 1:
-            data[_W_SEGS] = [None if seg is None else [self._copy(s) for s in seg] for seg in fr[_W_SEGS]]
+            data[WEAVE_SEGMENTS] = [None if seg is None else [self._copy(s) for s in seg] for seg in fr[WEAVE_SEGMENTS]]
         return _Frame(fr, data)
 
     def started(self, f: _Frame) -> bool:
@@ -87,20 +89,7 @@ class DriverFrames(NoFrames):
 
     def chains(self) -> list[tuple[Path, list, int]]:
         """(path, chain, index) of every frame: the main stack and the WEAVE segments."""
-        out: list[tuple[Path, list, int]] = []
-
-        def visit(chain: list, path: Path) -> None:
-            for k, f in enumerate(chain):
-                if k:
-                    path = path + (child_index(chain[k - 1].data),)
-                out.append((path, chain, k))
-                if type(f.data[0]) is WEAVE and len(f.data) > 1:
-                    for j, seg in enumerate(f.data[_W_SEGS]):
-                        if seg:
-                            visit(seg, path + (j,))
-
-        visit(self.main, ())
-        return out
+        return [(path, chain, k) for path, chain, k, _ in walk_frames(self.main, key=lambda f: f.data)]
 
     def locate(self, path: Path) -> tuple[list, int] | None:
         for p, chain, k in self.chains():
@@ -129,15 +118,15 @@ class DriverFrames(NoFrames):
         f = chain[k]
         if len(f.data) == 1:
             return  # not started: it starts on the edited children
-        pos = f.data[1]
+        pos = f.data[SEQ_POS]
         if pos > index:
-            f.data[1] = pos + len(items)
+            f.data[SEQ_POS] = pos + len(items)
         elif pos == index:
             child = chain[k + 1] if k + 1 < len(chain) else None
             if child is not None and not self.started(child):
                 child.data[0] = items[0]  # the driver sits just before it: the inserted elements run next
             else:
-                f.data[1] = pos + len(items)
+                f.data[SEQ_POS] = pos + len(items)
 
     def seq_delete(self, seq_path: Path, index: int, children: list) -> None:
         loc = self.locate(seq_path)
@@ -147,14 +136,14 @@ class DriverFrames(NoFrames):
         f = chain[k]
         if len(f.data) == 1:
             return
-        pos = f.data[1]
+        pos = f.data[SEQ_POS]
         if pos > index:
-            f.data[1] = pos - 1
+            f.data[SEQ_POS] = pos - 1
         elif pos == index:
             child = chain[k + 1] if k + 1 < len(chain) else None
             path = seq_path + (index,)
             if child is None:
-                f.data[1] = index - 1  # it finished: its value goes on to the next one
+                f.data[SEQ_POS] = index - 1  # it finished: its value goes on to the next one
             elif self.started(child):
                 raise EditError(f"cannot remove {_describe(child.data[0], path)}: it is running "
                                 f"(driver at step {self.drv.steps})", format_path(path))
@@ -185,20 +174,20 @@ class DriverFrames(NoFrames):
         if len(data) == 1:
             return  # not started: it starts on the edited children
         path = weave_path + (index,)
-        segs = data[_W_SEGS]
+        segs = data[WEAVE_SEGMENTS]
         seg = segs[index]
-        if data[_W_FINISHED][index]:
+        if data[WEAVE_FINISHED][index]:
             raise EditError(f"cannot remove {_describe(child, path)}: it has finished and its value is part of "
                             "its running WEAVE's result; replace it with SEQ([]) instead", format_path(path))
         if seg is None or len(seg) != 1 or self.started(seg[0]):
             raise EditError(f"cannot remove {_describe(child, path)}: it is running (a child of a running WEAVE, "
                             f"driver at step {self.drv.steps})", format_path(path))
         # an unstarted child waiting for its first turn: drop its slot in every per-child list
-        data[_W_SEGS] = segs[:index] + segs[index + 1:]
-        for slot in (_W_FINISHED, _W_VALUES, _W_CREDITS):
+        data[WEAVE_SEGMENTS] = segs[:index] + segs[index + 1:]
+        for slot in (WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS):
             data[slot] = data[slot][:index] + data[slot][index + 1:]
-        if data[_W_ACTIVE] > index:
-            data[_W_ACTIVE] -= 1
+        if data[WEAVE_ACTIVE] > index:
+            data[WEAVE_ACTIVE] -= 1
 
     # -- commit
     def resolve(self, program: Element) -> None:
@@ -215,7 +204,7 @@ class DriverFrames(NoFrames):
                 raise EditError(f"cannot edit inside {_describe(old, path)}: it is running "
                                 f"(driver at step {self.drv.steps})", format_path(path))
             if len(f.data) > 1:
-                if type(el) is not type(old) or (type(el) is WEAVE and len(el.elements) != len(f.data[_W_SEGS])):
+                if type(el) is not type(old) or (type(el) is WEAVE and len(el.elements) != len(f.data[WEAVE_SEGMENTS])):
                     raise EditError(f"cannot patch: {_describe(old, path)} is running and would become "
                                     f"{_describe(el, path)}", format_path(path))
             f.data[0] = el
@@ -225,18 +214,11 @@ class DriverFrames(NoFrames):
         for f in chain:
             data = list(f.data)
             if type(data[0]) is WEAVE and len(data) > 1:
-                data[_W_SEGS] = [None if seg is None else self.materialize(seg) for seg in data[_W_SEGS]]
+                data[WEAVE_SEGMENTS] = [None if seg is None else self.materialize(seg) for seg in data[WEAVE_SEGMENTS]]
             fr = f.orig if f.orig is not None else []
             fr[:] = data
             out.append(fr)
         return out
-
-
-def _has_weave(program: Element) -> bool:
-    from . import driver
-
-    check = getattr(driver, "_has_weave", None)  # the driver's own test, when it has one
-    return check(program) if check is not None else any(isinstance(el, WEAVE) for _, el in walk(program))
 
 
 def patch_driver(drv: Driver, found: list[Match], op: str, new: Any) -> Driver:
@@ -258,7 +240,7 @@ def patch_driver(drv: Driver, found: list[Match], op: str, new: Any) -> Driver:
     # commit
     drv._stack[:] = frames.materialize(frames.main)
     drv.program = program
-    drv._weave = _has_weave(program)
+    drv._weave = has_weave(program)
     drv._leaf = None
     drv._fast = drv._fastseq = None
     drv._fresh = None  # frame indices moved; a rewound driver settles again just below and sets it anew

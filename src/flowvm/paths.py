@@ -18,10 +18,6 @@ def format_path(path: Path) -> str:
     return ".".join(map(str, path))
 
 
-def describe_path(path: Path) -> str:
-    return f"path {format_path(path)!r}" if path else "the root (path '')"
-
-
 def parse_path(text: str | Path) -> Path:
     if isinstance(text, tuple):
         return text
@@ -59,14 +55,3 @@ def get(program: Element, path: Path | str) -> Element:
                               f"{el.kind} at {format_path(path[:depth]) or '<root>'} has {len(children)} children")
         el = children[i]
     return el
-
-
-def replace(program: Element, path: Path | str, new: Element) -> Element:
-    """A new program with the element at path replaced by new (the original is untouched)."""
-    path = parse_path(path)
-    if not path:
-        return new
-    parent = get(program, path[:-1])
-    children = list(parent.children)
-    children[path[-1]] = new
-    return replace(program, path[:-1], parent.with_children(children))

@@ -33,7 +33,7 @@ __all__ = ["rebuild_driver", "load_driver_bytes", "with_grad", "set_lbfgs_state"
 LEGACY_NAMES: dict[tuple[str, str], tuple[str, str]] = {
     **{(f"flowvm.{module}", name): ("flowvm", name) for module, names in {
         "elements": ("Element", "CALL", "PRINT", "SEQ", "REPEAT", "LOOP", "WHILE", "SWITCH", "WEAVE", "BUFFER"),
-        "registers": ("Register", "Registers"), "driver": ("Driver", "INCOMPLETE"),
+        "registers": ("Register", "Registers"), "driver": ("Driver",),
         "processes": ("POPEN", "SPAWN", "CommandError", "SpawnError"), "passes.fuse_torch": ("FUSED",),
         "data": ("Batches",), "depends": ("Depends",),
         "errors": ("FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError"),
@@ -42,7 +42,8 @@ LEGACY_NAMES: dict[tuple[str, str], tuple[str, str]] = {
         ("checkpoint", "rebuild_driver", "rebuild_driver"), ("checkpoint", "load_driver_bytes", "load_driver_bytes"),
         ("checkpoint", "with_grad", "with_grad"), ("checkpoint", "_set_lbfgs_state", "set_lbfgs_state"),
         ("checkpoint", "global_generator", "global_generator"), ("driver", "_NOVALUE", "NOVALUE"),
-        ("driver", "_PUSHED", "PUSHED"), ("driver", "PENDING", "PENDING"), ("errors", "_rebuild", "rebuild_error"),
+        ("driver", "_PUSHED", "PUSHED"), ("driver", "PENDING", "PENDING"), ("driver", "INCOMPLETE", "INCOMPLETE"),
+        ("errors", "_rebuild", "rebuild_error"),
         ("depends", "_make_depends", "make_depends"), ("depends", "DependsCALL", "DependsCALL"),
         ("namespaces", "Scope", "Scope"), ("passes.fuse_torch", "FuseSettings", "FuseSettings"),
         ("executors", "ExecutorRef", "ExecutorRef"),
@@ -74,7 +75,7 @@ _HELPERS = {
     "global_generator": "flowvm.pickler:global_generator",
     "rebuild_storage": "flowvm.pickler:rebuild_storage",
     "rebuild_typed_storage": "flowvm.pickler:rebuild_typed_storage",
-    "sentinel": "flowvm.driver:sentinel",
+    "sentinel": "flowvm.sentinels:sentinel",
     "rebuild_error": "flowvm.errors:rebuild_error",
     "make_depends": "flowvm.depends:make_depends",
     "Scope": "flowvm.namespaces:Scope",
@@ -86,9 +87,10 @@ _HELPERS = {
 
 # names found here that are not published (objects that pickle by name, not by __module__)
 _ALIASES = {
-    "NOVALUE": "flowvm.driver:_NOVALUE",
-    "PUSHED": "flowvm.driver:_PUSHED",
-    "PENDING": "flowvm.driver:PENDING",
+    "NOVALUE": "flowvm.sentinels:NOVALUE",
+    "PUSHED": "flowvm.sentinels:PUSHED",
+    "PENDING": "flowvm.sentinels:PENDING",
+    "INCOMPLETE": "flowvm.sentinels:INCOMPLETE",
 }
 
 

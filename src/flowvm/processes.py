@@ -44,7 +44,7 @@ import weakref
 from typing import Any
 
 from .analysis import writes
-from .driver import PENDING
+from .sentinels import PENDING
 from .elements import Element, Leaf, _check_element, _check_target
 from .errors import TAIL_CHARS, CommandError, SpawnError, SpawnTimeout, VerifyError
 from .executors import (ExecutorRef, Job, check_executor, default_executor,
