@@ -49,19 +49,18 @@ kind (``START``/``NEXT``).
 from __future__ import annotations
 
 import numbers
-import sys
 import weakref
 from time import monotonic
 from typing import Any
 
 from .compile import leaf_function
-from .frames import (NEXT, START, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_ROTATE, WEAVE_SEGMENTS, child_index, marks,
-                     walk as walk_frames, weave_pick)
+from .fastpaths import repeat_leaf, repeat_seq
+from .frames import NEXT, START, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_ROTATE, WEAVE_SEGMENTS, child_index, marks, weave_pick
 from .environment import apply_random, apply_settings, capture_random, capture_settings, check_settings
 from .elements import REPEAT, SEQ, WEAVE, Element
 from .errors import RegisterError, SwitchError
 from .idle import Idle as _Idle
-from .paths import format_path, walk
+from .paths import format_path
 from .registers import Registers
 from .sentinels import INCOMPLETE, NOVALUE, PENDING, PUSHED  # noqa: F401  (PENDING: the leaf protocol's)
 
@@ -91,7 +90,7 @@ class Driver:
         # A copy of the root alone (its children are shared): an edit of the
         # user's program, which changes that root in place, leaves this run be.
         self.program = program = _root_copy(program)
-        _DRIVERS.add(self)
+        DRIVERS.add(self)
         self.steps = 0
         self.done = False
         self.result: Any = None
@@ -125,26 +124,24 @@ class Driver:
     # ------------------------------------------------------------------ public
     def step(self) -> Any:
         """Run one leaf action; return INCOMPLETE, or the program's value once it is finished."""
-        fast = self._fast
-        if fast is not None and fast[1] + 1 < fast[2]:
-            # Fast path: a leaf repeated by its REPEAT parent stays on the stack.
-            try:
-                value = self._leaf()
-            except Exception as err:
-                raise self._running_error(err)
-            self.steps += 1
-            self._fresh = None
-            i = fast[1] = fast[1] + 1
-            fast[3] = value
-            counter = fast[0].counter
-            if counter is not None:
-                self.registers[counter.name] = i
-            return INCOMPLETE
-        if self._leaf is None and not self._prepare():
-            return self.result
         try:
+            fast = self._fast
+            # (a REPEAT frame is [el, i, n, last]: see frames.py; literal slots, as this runs every step)
+            if fast is not None and fast[1] + 1 < fast[2]:
+                # Fast path: a leaf repeated by its REPEAT parent stays on the stack.
+                value = self._leaf()
+                self.steps += 1
+                self._fresh = None
+                i = fast[1] = fast[1] + 1
+                fast[3] = value
+                counter = fast[0].counter
+                if counter is not None:
+                    self.registers[counter.name] = i
+                return INCOMPLETE
+            if self._leaf is None and not self._prepare():
+                return self.result
             value = self._leaf()
-        except Exception as err:
+        except Exception as err:  # the one place where a leaf's error gets its note (see _running_error)
             raise self._running_error(err)
         if value is PENDING:
             self._after_poll()
@@ -200,62 +197,48 @@ class Driver:
 
     def _drive(self, limit, deadline: float | None, idle: "_Idle | None", block: bool) -> Any:
         """The loop of run() and arun(): with block=False it returns instead of waiting on pending leaves."""
-        while True:
-            if self.steps >= limit and not self.done:
-                return INCOMPLETE  # checked first: run(max_steps=0) enters nothing
-            if self._leaf is None and not self._prepare():
-                return self.result
-            if deadline is not None:
-                if monotonic() >= deadline:
-                    return INCOMPLETE
-                # the fast paths look at the clock after every step: a step may take far longer than the last
+        try:
+            while True:
+                if self.steps >= limit and not self.done:
+                    return INCOMPLETE  # checked first: run(max_steps=0) enters nothing
+                if self._leaf is None and not self._prepare():
+                    return self.result
                 fast = self._fast
-                if fast is not None and fast[1] + 1 < fast[2]:
-                    try:
-                        self._repeat_leaf(fast, limit, deadline)
-                    except Exception as err:
-                        raise self._running_error(err)
-                    continue
-                if fast is None and self._fastseq is not None:
-                    try:
-                        ran = self._repeat_seq(self._fastseq, limit, deadline)
-                    except Exception as err:
-                        raise self._running_error(err)
-                    if ran:
+                if deadline is not None:
+                    if monotonic() >= deadline:
+                        return INCOMPLETE
+                    # the fast paths look at the clock after every step: a step may take far longer than
+                    # the last
+                    if fast is not None and fast[1] + 1 < fast[2]:
+                        repeat_leaf(self, fast, limit, deadline)
                         continue
-            else:
-                fast = self._fast
-                if fast is not None:
-                    try:
-                        self._repeat_leaf(fast, limit)
-                    except Exception as err:  # annotated once the state is written back
-                        raise self._running_error(err)
+                    if fast is None and self._fastseq is not None \
+                            and repeat_seq(self, self._fastseq, limit, deadline):
+                        continue
+                elif fast is not None:
+                    repeat_leaf(self, fast, limit)  # (it writes the frames back before an error leaves it)
                     if self.steps >= limit:
                         return INCOMPLETE
                 elif self._fastseq is not None:
-                    try:
-                        self._repeat_seq(self._fastseq, limit)
-                    except Exception as err:
-                        raise self._running_error(err)
+                    repeat_seq(self, self._fastseq, limit)
                     if self.steps >= limit:
                         return INCOMPLETE
-            try:
                 value = self._leaf()
-            except Exception as err:
-                raise self._running_error(err)
-            if value is PENDING:
-                key = id(self._stack[-1])
-                steps = self.steps
-                self._after_poll()
-                if idle is None:
-                    idle = _Idle()
-                if idle.full_circle(key, steps):
-                    if not block:
-                        idle.stopped = True
-                        return INCOMPLETE
-                    idle.wait(self, deadline)
-            else:
-                self._after_leaf(value)
+                if value is PENDING:
+                    key = id(self._stack[-1])
+                    steps = self.steps
+                    self._after_poll()
+                    if idle is None:
+                        idle = _Idle()
+                    if idle.full_circle(key, steps):
+                        if not block:
+                            idle.stopped = True
+                            return INCOMPLETE
+                        idle.wait(self, deadline)
+                else:
+                    self._after_leaf(value)
+        except Exception as err:  # the other place where a leaf's error gets its note
+            raise self._running_error(err)
 
     @property
     def position(self) -> str | None:
@@ -296,8 +279,16 @@ class Driver:
         state.pop("_fast", None)
         state.pop("_fastseq", None)
         state.pop("_live", None)
+        state.pop("_move_error", None)
         state["_resume"] = self._resume_for_copy()
         return state
+
+    def invalidate(self) -> None:
+        """Drop what the driver derived from its program and frames (the next leaf's function, the frames
+        the fast paths hold, whether the program has a WEAVE); the next step derives them again.  For
+        whoever changes the program or the frames in place (hot patches, in-place edits)."""
+        self._weave = has_weave(self.program)
+        self._leaf = self._fast = self._fastseq = None
 
     # ---------------------------------------------------------------- editing a run
     def find(self, pattern: Any = None, *, where: Any = None, missing_ok: bool = False):
@@ -361,7 +352,7 @@ class Driver:
             raise TypeError(f"resume_with: settings must be True, False or a dict, got {settings!r}")
         self._resume = pending if pending["random"] is not None or pending["settings"] else None
         if self._resume is not None:
-            self._leaf = self._fast = self._fastseq = None  # the next step goes through _prepare
+            self.invalidate()  # the next step goes through _prepare
         return self
 
     @property
@@ -413,85 +404,6 @@ class Driver:
         else:
             self._leaf = el.bind(self, stack[-1])
         return True
-
-    def _repeat_leaf(self, parent: list, limit, deadline: float | None = None) -> None:
-        """Run a leaf repeated by a REPEAT frame in a tight loop, up to (not including) its last iteration
-        (and, with a deadline, until the step that ends past it)."""
-        leaf = self._leaf
-        i = start = parent[1]
-        stop = parent[2] - 1
-        if limit - self.steps < stop - i:
-            stop = i + int(limit - self.steps)
-        if stop <= i:
-            return
-        counter = parent[0].counter
-        value = parent[3]
-        regs = self.registers
-        try:
-            if deadline is not None:
-                name = counter.name if counter is not None else None
-                while i < stop:
-                    value = leaf()
-                    i += 1
-                    if name is not None:
-                        regs[name] = i
-                    if monotonic() >= deadline:
-                        break
-            elif counter is None:
-                while i < stop:
-                    value = leaf()
-                    i += 1
-            else:
-                name = counter.name
-                while i < stop:
-                    value = leaf()
-                    i += 1
-                    regs[name] = i
-        finally:
-            parent[1] = i
-            parent[3] = value
-            self.steps += i - start
-            if i > start:
-                self._fresh = None
-
-    def _repeat_seq(self, fs: tuple, limit, deadline: float | None = None) -> int:
-        """Run a SEQ of plain leaves repeated by a REPEAT in a tight loop, up to (not including) the last
-        leaf of the last iteration; return the steps taken.  The frames are written back as the general
-        path would leave them, also when a leaf raises (the next step retries it)."""
-        rep, seq = fs
-        children = seq[0].elements
-        regs = self.registers
-        leaves = [leaf_function(c, regs) for c in children]
-        last = len(leaves) - 1
-        i, n, pos, value = rep[1], rep[2], seq[1], rep[3]
-        counter = rep[0].counter
-        name = counter.name if counter is not None else None
-        budget = limit - self.steps
-        ran = 0
-        timed = deadline is not None
-        try:
-            while ran < budget and (pos != last or i != n - 1):
-                if timed and ran and monotonic() >= deadline:
-                    break
-                v = leaves[pos]()
-                ran += 1
-                if pos == last:  # the SEQ finished: its value is the iteration's
-                    i += 1
-                    value = v
-                    if name is not None:
-                        regs[name] = i
-                    pos = 0
-                else:
-                    pos += 1
-        finally:
-            rep[1], rep[3], seq[1] = i, value, pos
-            self.steps += ran
-            if ran:
-                self._stack[-1] = [children[pos]]
-                self._leaf = leaves[pos]
-                # as settling would leave it: a SEQ just begun again counts as entered afresh
-                self._fresh = len(self._stack) - 2 if pos == 0 else None
-        return ran
 
     def _after_leaf(self, value: Any) -> None:
         stack = self._stack
@@ -585,6 +497,7 @@ class Driver:
             self._carry = NOVALUE if getattr(err, "_flowvm_rewound", False) else value
             if not getattr(err, "_flowvm_noted", False):
                 self._annotate(err, "finishing" if value is not novalue else "entering")
+            self._move_error = err  # for _running_error, the step's handler (a cache: never pickled)
             raise
 
     def _credit_weaves(self) -> None:
@@ -617,7 +530,10 @@ class Driver:
 
     def _running_error(self, err: BaseException) -> BaseException:
         """err raised by the leaf on top, annotated; a register the leaf reads that holds no value (the
-        KeyError of its lookup) becomes a RegisterError naming it."""
+        KeyError of its lookup) becomes a RegisterError naming it.  The error of a move (settling into
+        the leaf), which _settle annotated, is left as it is."""
+        if self.__dict__.pop("_move_error", None) is err:
+            return err
         el = self._stack[-1][0] if self._stack else None
         if (isinstance(err, KeyError) and not isinstance(err, RegisterError) and el is not None and err.args
                 and isinstance(err.args[0], str) and err.args[0] not in self.registers
@@ -645,52 +561,7 @@ class Driver:
             pass
 
 
-_DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()  # drivers started in this process (see running_in)
-
-
-def running_in(el: Element) -> "tuple[Driver, str] | None":
-    """A live driver of this process with a started frame of el (a container in progress, a leaf that is
-    polling work it started), and that frame's path; else None.
-
-    Editing el in place (``flowvm.edit``) would pull the children out from under such a frame.
-    """
-    for drv in list(_DRIVERS):
-        if drv.done:
-            continue
-        live = drv.__dict__.get("_live") or {}
-        for path, chain, k, paused in walk_frames(drv._stack):
-            fr = chain[k]
-            if fr[0] is el and (len(fr) > 1 or id(fr) in live):  # a container in progress, a polling leaf
-                return drv, "(a paused WEAVE child)" if paused else format_path(path)
-    return None
-
-
-def drivers_mid_step() -> "list[Driver]":
-    """The drivers whose step is running now in this thread, further up the call stack: an edit made from
-    there comes from one of their own CALLs.  Their tight loops keep the functions of the leaves they run,
-    and their frames are in the middle of a move, so such an edit is refused (flowvm.edit)."""
-    codes = {Driver.step.__code__, Driver._drive.__code__}
-    found = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in codes:
-            drv = frame.f_locals.get("self")
-            if isinstance(drv, Driver) and drv not in found:
-                found.append(drv)
-        frame = frame.f_back
-    return found
-
-
-def refresh_drivers_holding(el: Element) -> None:
-    """el was edited in place (flowvm.edit) while not running: drop what live drivers whose program
-    holds it derived from it (the next leaf's function, the fast paths, whether there is a WEAVE)."""
-    for drv in list(_DRIVERS):
-        if drv.done or not any(x is el for _, x in walk(drv.program)):
-            continue
-        drv._weave = has_weave(drv.program)
-        drv._leaf = drv._fast = drv._fastseq = None
-        if drv._ready and drv._stack and not drv._stack[-1][0].is_leaf:
-            drv._ready = False  # the next leaf became a container: settle into it
+DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()  # drivers started in this process (see flowvm.running)
 
 
 def _root_copy(program: Element) -> Element:

@@ -220,7 +220,7 @@ class Matches(Sequence):
         if isinstance(self.target, Driver):
             from .hotpatch import patch_driver
 
-            from .driver import drivers_mid_step
+            from .running import drivers_mid_step
 
             if self.target in drivers_mid_step():
                 raise EditError(f"the driver is running a step (step {self.target.steps}): a patch made by a "
@@ -240,7 +240,7 @@ class Matches(Sequence):
             if here is not m.element:
                 raise EditError(f"the program has changed since these matches of {self.description} were "
                                 "found (another edit moved them): call find() or at() again", m.path_text)
-        from .driver import drivers_mid_step, running_in
+        from .running import drivers_mid_step, running_in
 
         for busy in drivers_mid_step():
             if not busy.done and any(x is self.target for _, x in walk(busy.program)):
@@ -515,7 +515,7 @@ def become(root: Element, edited: Element) -> Element:
     object.__setattr__(root, "__class__", type(edited))
     root.__dict__.clear()
     root.__dict__.update(edited.__getstate__())
-    from .driver import refresh_drivers_holding
+    from .running import refresh_drivers_holding
     from .elements import _EDITS
 
     _EDITS[0] += 1  # the subtrees of everything holding root changed: their analyses are stale

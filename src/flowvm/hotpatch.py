@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .driver import Driver, has_weave
+from .driver import Driver
 from .frames import SEQ_POS, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_FINISHED, WEAVE_SEGMENTS, WEAVE_VALUES
 from .frames import walk as walk_frames
 from .edit import EditError, Match, NoFrames, carry_overrides, edit_tree
@@ -240,9 +240,7 @@ def patch_driver(drv: Driver, found: list[Match], op: str, new: Any) -> Driver:
     # commit
     drv._stack[:] = frames.materialize(frames.main)
     drv.program = program
-    drv._weave = has_weave(program)
-    drv._leaf = None
-    drv._fast = drv._fastseq = None
+    drv.invalidate()
     drv._fresh = None  # frame indices moved; a rewound driver settles again just below and sets it anew
     untouched = drv.steps == 0 and len(drv._stack) == 1 and len(drv._stack[0]) == 1
     if not drv.done and drv._ready and drv._stack and not drv._stack[-1][0].is_leaf:

@@ -73,7 +73,7 @@ def rebuild_driver(state: dict):
     """A copy of a driver, from Driver.__getstate__; its saved random states and settings are checked
     here (a malformed one is a CheckpointError naming the generator or setting) and set by its first
     step."""
-    from .driver import _DRIVERS, Driver
+    from .driver import DRIVERS, Driver
 
     resume = state.get("_resume")
     if resume is not None:
@@ -84,7 +84,7 @@ def rebuild_driver(state: dict):
                             "announce": bool(resume.get("announce", True))}
     drv = Driver.__new__(Driver)
     drv.__dict__.update(state)
-    _DRIVERS.add(drv)
+    DRIVERS.add(drv)
     return drv
 
 
