@@ -17,6 +17,7 @@ from .registers import Register, Registers
 from .verify import verify
 from .depends import Depends
 from .edit import ANY
+from . import hotpatch as _hotpatch  # noqa: F401  (provides the edits of half-run drivers)
 from .namespaces import isolate, template
 from .dot import to_dot, to_mermaid
 from .source import from_source, to_source
@@ -30,7 +31,7 @@ from . import pickled as _pickled
 
 _pickled.publish()  # every object a saved run names pickles under flowvm.NAME or flowvm.pickled.NAME
 
-__version__ = "0.2.0"
+from .version import __version__
 
 __all__ = [
     "BUFFER", "CALL", "LOOP", "PRINT", "REPEAT", "SEQ", "SWITCH", "WEAVE", "WHILE", "Element",

@@ -62,6 +62,7 @@ import cloudpickle
 from . import storage
 from .environment import check_random
 from .errors import CheckpointError
+from .version import __version__
 from .pickler import CopyWarning, Pickler, Unpickler, check_bytecode, names_in, storage_bytes  # noqa: F401  (flowvm.checkpoint.CopyWarning)
 
 MAGIC = b"FLOWVM\x89\n"
@@ -199,7 +200,6 @@ def dumps(driver, key: bytes | str | None = None, meta: dict | None = None) -> b
 def _write(f, driver, key, path, meta=None) -> None:
     """Write the checkpoint file for driver to the binary file f: the header, the out-of-band buffers
     straight from the objects' memory, the pickle stream and the digests, hashed as they go."""
-    from . import __version__
     from .driver import Driver
 
     if not isinstance(driver, Driver):

@@ -43,7 +43,7 @@ import inspect
 from typing import Any, Callable
 
 from .driver import Driver
-from .elements import CALL
+from .elements import CALL, provide
 from .errors import FlowError
 from .registers import Register, Registers, has_registers, resolve, same_kind_of_dict
 
@@ -268,3 +268,11 @@ class DependsCALL(CALL):
             return _resolve_arg(value, drv, regs, cache, within)
 
         return factory(self.fn, regs, dep, resolve_arg)
+
+
+def call_kind(args: tuple, kwargs: dict) -> type:
+    """The class of a CALL with these arguments: a DependsCALL when they hold a Depends."""
+    return DependsCALL if has_depends(args) or has_depends(kwargs) else CALL
+
+
+provide("call_kind", call_kind)  # CALL(...)

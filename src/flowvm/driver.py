@@ -57,7 +57,7 @@ from .compile import leaf_function
 from .fastpaths import repeat_leaf, repeat_seq
 from .frames import NEXT, START, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_ROTATE, WEAVE_SEGMENTS, child_index, marks, weave_pick
 from .environment import apply_random, apply_settings, capture_random, capture_settings, check_settings
-from .elements import REPEAT, SEQ, WEAVE, Element
+from .elements import REPEAT, SEQ, WEAVE, Element, provide, tool
 from .errors import RegisterError, SwitchError
 from .idle import Idle as _Idle
 from .paths import format_path
@@ -294,15 +294,11 @@ class Driver:
     def find(self, pattern: Any = None, *, where: Any = None, missing_ok: bool = False):
         """Matches in the program this driver runs; their edits patch the driver in place (hot patches:
         see flowvm.hotpatch)."""
-        from .edit import find
-
-        return find(self, pattern, where=where, missing_ok=missing_ok)
+        return tool("find")(self, pattern, where=where, missing_ok=missing_ok)
 
     def at(self, *paths: Any):
         """The elements at the given paths of the driver's program, to hot-patch them."""
-        from .edit import at
-
-        return at(self, *paths)
+        return tool("at")(self, *paths)
 
     @property
     def dependency_overrides(self) -> dict:
@@ -373,10 +369,7 @@ class Driver:
         # every copy keeps the same things: gradients, global generators, lambdas.
         # The driver is one self-contained unit: an object it shares with
         # something pickled beside it is copied, not shared.
-        from .pickler import load_driver_bytes, pickle_with_python
-
-        data, bytecode = pickle_with_python(self)
-        return load_driver_bytes, (data,) if bytecode is None else (data, bytecode)
+        return tool("copy_driver")(self)
 
     # ----------------------------------------------------------------- engine
     def _prepare(self) -> bool:
@@ -561,6 +554,7 @@ class Driver:
             pass
 
 
+provide("start", Driver)  # Element.start()
 DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()  # drivers started in this process (see flowvm.running)
 
 

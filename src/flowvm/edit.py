@@ -54,7 +54,7 @@ import copy
 import types
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, provide, tool
 from .errors import EditError
 from .paths import Path, format_path, get, parse_path, walk
 from .registers import Register, Registers
@@ -218,8 +218,6 @@ class Matches(Sequence):
         from .driver import Driver
 
         if isinstance(self.target, Driver):
-            from .hotpatch import patch_driver
-
             from .running import drivers_mid_step
 
             if self.target in drivers_mid_step():
@@ -228,7 +226,7 @@ class Matches(Sequence):
             if self.target.program is not self.program:
                 raise EditError(f"the driver's program has changed since these matches of {self.description} "
                                 "were found (a patch replaces it): call find() or at() again")
-            return patch_driver(self.target, self._found, op, new)
+            return tool("patch_driver")(self.target, self._found, op, new)
         if self._used:
             raise EditError(f"these matches of {self.description} were already used for an edit, which may "
                             "have moved them: call find() or at() again")
@@ -543,3 +541,7 @@ def carry_overrides(old: Element, new: Element) -> Element:
             new = copy.copy(new)
             new.__dict__[name] = dict(table)
     return new
+
+
+provide("find", find)  # Element.find(), Driver.find()
+provide("at", at)

@@ -16,7 +16,28 @@ from __future__ import annotations
 import numbers
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
+from .environment import check_settings
+from .paths import get, walk
 from .registers import Register, iter_registers
+
+# The tools of the layers above that the conveniences of the data call: "start" (the machine's Driver),
+# "find", "at" (editing), "isolate" (namespaces), "call_kind" (the CALL class for given arguments: a
+# DependsCALL when they hold a Depends), "copy_driver" (the pickler), "listing" and "short" (the printer).
+# Each module that provides one registers it when it is imported (flowvm/__init__.py imports them all),
+# so that this module, at the bottom, imports none of them.
+TOOLS: dict[str, Callable[..., Any]] = {}
+
+
+def provide(name: str, tool: Callable[..., Any]) -> None:
+    """Register the tool that the data's conveniences call under name (see TOOLS)."""
+    TOOLS[name] = tool
+
+
+def tool(name: str) -> Callable[..., Any]:
+    try:
+        return TOOLS[name]
+    except KeyError:
+        raise RuntimeError(f"flowvm: no {name!r} tool registered: import flowvm first") from None
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -93,9 +114,7 @@ class Element:
     # -- running
     def start(self) -> "Driver":
         """Return a resumable Driver for this program; nothing runs yet."""
-        from .driver import Driver
-
-        return Driver(self)
+        return tool("start")(self)
 
     def run(self, max_steps: int | None = None) -> Any:
         """Run the program to the end and return its value."""
@@ -115,32 +134,22 @@ class Element:
 
     def find(self, pattern: Any = None, *, where: Any = None, missing_ok: bool = False):
         """Every element matching pattern (see ``flowvm.edit.find``); edit them through the result."""
-        from .edit import find
-
-        return find(self, pattern, where=where, missing_ok=missing_ok)
+        return tool("find")(self, pattern, where=where, missing_ok=missing_ok)
 
     def at(self, *paths: Any):
         """The elements at the given paths, as ``find`` returns them (see ``flowvm.edit.at``)."""
-        from .edit import at
-
-        return at(self, *paths)
+        return tool("at")(self, *paths)
 
     def isolate(self, namespace: str, shared: Iterable[str] = ()) -> "Element":
         """This sub-program with its registers moved into namespace (see ``flowvm.namespaces.isolate``)."""
-        from .namespaces import isolate
-
-        return isolate(self, namespace, shared)
+        return tool("isolate")(self, namespace, shared)
 
     def walk(self):
         """(path, element) for this element and every element inside it, parents first."""
-        from .paths import walk
-
         return walk(self)
 
     def get(self, path: Any) -> "Element":
         """The element at path ("0.2.1" or a tuple of child indices)."""
-        from .paths import get
-
         return get(self, path)
 
     @property
@@ -167,22 +176,16 @@ class Element:
         A resumed copy of the run sets the settings it was saved with instead."""
         import copy
 
-        from .environment import check_settings
-
         new = copy.copy(self)
         new.__dict__["_settings"] = {**self.process_settings, **check_settings(settings, "<settings>")}
         return new
 
     # -- printing
     def __str__(self) -> str:
-        from .printer import listing
-
-        return listing(self)
+        return tool("listing")(self)
 
     def __repr__(self) -> str:
-        from .printer import short
-
-        return short(self)
+        return tool("short")(self)
 
 
 class Leaf(Element):
@@ -252,10 +255,7 @@ class CALL(Element):
         # A CALL with a Depends argument is a DependsCALL, a leaf that resolves
         # its dependencies when it runs; plain CALLs stay on the compiled path.
         if cls is CALL and (len(args) > 1 or kwargs):
-            from .depends import DependsCALL, has_depends
-
-            if has_depends(args[1:]) or has_depends(kwargs):
-                return super().__new__(DependsCALL)
+            return super().__new__(tool("call_kind")(args[1:], kwargs))
         return super().__new__(cls)
 
     def __init__(self, fn: Callable, *args: Any, store_to: Register | None = None, **kwargs: Any):

@@ -41,7 +41,7 @@ from .driver import Driver
 from .frames import SEQ_POS, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_FINISHED, WEAVE_SEGMENTS, WEAVE_VALUES
 from .frames import walk as walk_frames
 from .edit import EditError, Match, NoFrames, carry_overrides, edit_tree
-from .elements import WEAVE, Element
+from .elements import WEAVE, Element, provide
 from .paths import Path, format_path, get, walk
 
 
@@ -251,3 +251,6 @@ def patch_driver(drv: Driver, found: list[Match], op: str, new: Any) -> Driver:
         except Exception:
             pass  # a move that fails is retried, and raised, by the next step
     return drv
+
+
+provide("patch_driver", patch_driver)  # edits made through Driver.find() and Driver.at()

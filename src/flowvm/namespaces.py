@@ -52,10 +52,9 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from .elements import BUFFER, CALL, PRINT, REPEAT, SWITCH, Element
-from .errors import VerifyError
-from .paths import format_path, walk
+from .elements import BUFFER, CALL, PRINT, REPEAT, SWITCH, Element, provide
 from .registers import Register, Registers, same_kind_of_dict
+from .verify import check_collisions, collisions, instances  # noqa: F401  (they check what isolate makes)
 
 SEPARATOR = "."
 
@@ -251,72 +250,4 @@ def template(fn: Callable[..., Element] | None = None, *, shared: Iterable[str] 
     return decorate(fn) if fn is not None else decorate
 
 
-def instances(program: Element) -> list[tuple[tuple, Element]]:
-    """(path, element) of every marked instance in the program, parents first."""
-    todo = [program]
-    while todo:  # a quick scan first: most programs have no instance at all
-        el = todo.pop()
-        if el.scope is not None:
-            return [(p, e) for p, e in walk(program) if e.scope is not None]
-        todo.extend(el.children)
-    return []
-
-
-def collisions(program: Element) -> list[dict]:
-    """Pairs of instances that write a register in common (not one both declare shared).
-
-    Each collision is a dict with ``paths`` (two path strings), ``registers``
-    (sorted names) and ``instances`` (their two scopes).  Nested instances
-    and two occurrences of the very same element do not collide.
-    """
-    from .analysis import writes
-
-    found = instances(program)
-    out = []
-    for i, (pa, a) in enumerate(found):
-        for pb, b in found[i + 1:]:
-            if a is b or pb[: len(pa)] == pa or pa[: len(pb)] == pb:
-                continue
-            common = (writes(a) & writes(b)) - (_shared_writes(a) & _shared_writes(b))
-            if common:
-                out.append({"paths": (format_path(pa), format_path(pb)), "registers": sorted(common),
-                            "instances": (a.scope, b.scope)})
-    return out
-
-
-def _shared_writes(instance: Element) -> frozenset:
-    """Names the instance writes only where it, or an instance inside it, declares them shared."""
-    shared_only: set[str] = set()
-    owned: set[str] = set()
-
-    def visit(el: Element, shared: frozenset) -> None:
-        if el.scope is not None:
-            shared = shared | el.scope.shared
-        for r in el.own_writes():
-            (shared_only if r.name in shared else owned).add(r.name)
-        for child in el.children:
-            visit(child, shared)
-
-    visit(instance, frozenset())
-    return frozenset(shared_only - owned)
-
-
-def check_collisions(program: Element) -> None:
-    """Raise VerifyError for the first collision between instances (see ``collisions``)."""
-    found = collisions(program)
-    if not found:
-        return
-    c = found[0]
-    from .printer import listing
-    from .paths import parse_path
-
-    pa, pb = c["paths"]
-    names = ", ".join(repr(n) for n in c["registers"][:5])
-    a, b = c["instances"]
-    what = (f"two instances of template {a.template}" if a.template is not None and a.template == b.template
-            else "two instances")
-    hint = ("they share a namespace; give each its own" if a.namespace is not None and a.namespace == b.namespace
-            else "isolate them: sub.isolate('a'), sub.isolate('b')")
-    text = listing(program, {parse_path(pa): (">>", "instance"), parse_path(pb): (">>", "instance")})
-    raise VerifyError(f"register collision: {what} (paths {pa or '<root>'!r} and {pb or '<root>'!r}, {a!r} and "
-                      f"{b!r}) both write {names}; {hint}\n{text}", pb, c["registers"][0])
+provide("isolate", isolate)  # Element.isolate()

@@ -7,9 +7,10 @@ Child indices follow each element's ``children`` tuple.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from .elements import Element
+if TYPE_CHECKING:
+    from .elements import Element
 
 Path = tuple[int, ...]
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import cloudpickle
 
+from .elements import provide
 from .environment import check_random, check_settings
 from .errors import CheckpointError, CopyWarning
 
@@ -366,3 +367,13 @@ def names_in(stream: bytes) -> set[tuple[str, str]]:
         elif op.stack_after:
             pushed.append(None)
     return found
+
+
+def reduce_driver(drv) -> tuple:
+    """How a Driver reduces for any outer pickler (pickle, cloudpickle, copy.deepcopy): its state written by
+    Pickler, so that every kind of copy keeps the same things."""
+    data, bytecode = pickle_with_python(drv)
+    return load_driver_bytes, (data,) if bytecode is None else (data, bytecode)
+
+
+provide("copy_driver", reduce_driver)  # Driver.__reduce_ex__

@@ -12,7 +12,7 @@ import sys
 import types
 from typing import Any
 
-from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, provide
 from .registers import Register
 
 INDENT = "    "
@@ -176,3 +176,7 @@ def listing(program: Element, marks: dict | None = None) -> str:
             line += f"  # {comment}"
         text.append(line)
     return "\n".join(text)
+
+
+provide("listing", listing)  # str(element)
+provide("short", short)  # repr(element)

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from ..elements import BUFFER, CALL, Element
 from ..registers import Register
-from . import register_pass
+from .registry import register_pass
 from .rewrite import rewrite, under_weave
 
 SUFFIX = "_batch"

@@ -23,7 +23,7 @@ SEQ:
 from __future__ import annotations
 
 from ..elements import SEQ, Element
-from . import register_pass
+from .registry import register_pass
 from .rewrite import rebuild, rewrite
 
 

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Mapping
 from ..elements import CALL, SEQ, Element
 from ..paths import format_path
 from ..registers import Register, iter_registers
-from . import current_context, register_pass
+from .registry import current_context, register_pass
 from ..errors import FusionWarning
 from .fused_runtime import Runtime, is_barrier
 from .rewrite import rebuild, rewrite, under_weave
