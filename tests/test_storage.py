@@ -25,7 +25,7 @@ import urllib.request
 import pytest
 
 import flowvm
-from flowvm import storage
+from flowvm import remote, storage
 from flowvm.programs import pca
 from flowvm.testing import diff, outcome
 
@@ -215,7 +215,7 @@ def test_s3_service_errors_are_put_in_words(code, words):
     from s3fs.errors import translate_boto_error
 
     err = translate_boto_error(ClientError({"Error": {"Code": code, "Message": "from the server"}}, "GetObject"))
-    assert storage._reason(err, "s3://bkt/run.ckpt").startswith(words)
+    assert remote._reason(err, "s3://bkt/run.ckpt").startswith(words)
 
 
 def test_local_checkpoints_do_not_import_fsspec(tmp_path):
