@@ -28,7 +28,7 @@ from flowvm import CALL, SEQ, CheckpointError, Registers
 from flowvm import checkpoint as ckpt
 from flowvm import pickler
 
-BIG = 1 << 16  # bytes at which a buffer leaves the pickle stream (checkpoint._OUT_OF_BAND_MIN)
+BIG = 1 << 16  # bytes at which a buffer leaves the pickle stream (checkpoint.OUT_OF_BAND_MIN)
 
 
 def keep(x):
@@ -287,7 +287,7 @@ def test_large_files_hashed_on_threads(tmp_path):
     """Past the threading threshold (saving, loading, signed or not): round trips and damage are found."""
     t = torch.randn(3_000_000)  # 12 MB
     a = np.random.default_rng(3).standard_normal(1_200_000)  # 9.6 MB
-    assert t.nbytes + a.nbytes > ckpt._THREADED_MIN
+    assert t.nbytes + a.nbytes > ckpt.THREADED_MIN
     for key in (None, b"k"):
         r, path = round_trip(tmp_path, driver_with(t=t, a=a), key=key)
         assert torch.equal(r["t"], t) and np.array_equal(r["a"], a)
