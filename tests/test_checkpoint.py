@@ -822,3 +822,15 @@ def test_restore_random_false_leaves_global_generators_alone(tmp_path):
     h.seed_all(5)
     ckpt.loads((tmp_path / "r.ckpt").read_bytes(), restore_random=False)
     assert_identical(h.post_draws(), draws)
+
+
+@pytest.mark.parametrize("payload, says", [
+    (pickle.dumps({"weights": [1, 2, 3]}), "unpickles to a dict without a driver"),
+    (pickle.dumps([1, 2]), "unpickles to a list"),
+])
+def test_a_foreign_pickle_with_valid_checksums_is_named_as_no_flowvm_run(tmp_path, payload, says):
+    header, _, _, _ = split(ckpt.dumps(REPEAT(1, CALL(h.inc, 1)).start()))
+    data = build_file(dict(header, buffers=[]), payload)
+    with pytest.raises(CheckpointError) as ei:
+        load_bytes(tmp_path, data)
+    assert says in reason_of(ei) and "holds no flowvm run" in reason_of(ei)
