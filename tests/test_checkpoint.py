@@ -25,7 +25,7 @@ import flowvm
 from flowvm import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, CheckpointError, Registers
 from flowvm import checkpoint as ckpt
 
-import ckpt_helpers as h
+import toy as h
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SEED = 20240611
@@ -356,7 +356,7 @@ def resumed_in_subprocess(tmp_path_factory):
     out = d / "out.pkl"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys, ckpt_helpers; ckpt_helpers.resume_main(sys.argv[1:])", *files, str(out)],
+        [sys.executable, "-c", "import sys, toy; toy.resume_main(sys.argv[1:])", *files, str(out)],
         env=env, capture_output=True, text=True, timeout=120, cwd=str(d),
     )
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr}"
