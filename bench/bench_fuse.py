@@ -51,7 +51,7 @@ import torch  # noqa: E402
 
 import flowvm  # noqa: E402
 from flowvm import CALL, REPEAT, SEQ, Registers  # noqa: E402
-from flowvm.passes.fuse_torch import FUSED  # noqa: E402
+from flowvm import FUSED  # noqa: E402
 from flowvm.paths import walk  # noqa: E402
 
 F = torch.nn.functional

@@ -209,7 +209,8 @@ def test_an_inductor_compiled_chain_of_ten_ops_agrees_with_the_interpreted_progr
 
 
 def test_the_direct_compiled_form_is_only_for_plain_tensors_with_its_layouts():
-    from flowvm.passes.fused_runtime import Runtime, _direct_compile
+    from flowvm.fused.compiler import _direct_compile
+    from flowvm.fused.runtime import Runtime
 
     x = torch.zeros(4, 3)
     reg = Registers(x=x)
@@ -242,7 +243,7 @@ def test_the_direct_compiled_form_is_only_for_plain_tensors_with_its_layouts():
     def broken(args):
         raise RuntimeError("kernel failed")
 
-    from flowvm.passes.fused_runtime import _direct_caller
+    from flowvm.fused.compiler import _direct_caller
 
     rt._compiled_call = _direct_caller(rt, broken, first=False)
     with pytest.warns(FusionWarning, match="kernel failed"):
@@ -346,7 +347,7 @@ def test_an_unknown_backend_is_a_compile_failure_too():
 
 # ------------------------------------------------------------------ choosing and overriding
 def test_auto_times_both_forms_and_shows_the_decision_which_set_form_overrides(monkeypatch):
-    from flowvm.passes import fused_runtime
+    from flowvm.fused import runtime as fused_runtime
 
     monkeypatch.setattr(fused_runtime, "MIN_TRIAL_SECONDS", 0.0)
     reg = Registers(x=torch.ones(3))
@@ -648,7 +649,7 @@ def test_a_compiled_run_saved_mid_way_finishes_in_a_fresh_process(tmp_path):
 def test_switching_forms_mid_run_keeps_the_random_numbers(monkeypatch):
     """With inductor's fallback_random, compiled dropout draws what eager dropout draws; the eager
     backend runs the same aten ops: either way auto may switch forms at any step without changing them."""
-    from flowvm.passes import fused_runtime
+    from flowvm.fused import runtime as fused_runtime
 
     monkeypatch.setattr(fused_runtime, "MIN_TRIAL_SECONDS", 0.0)
     reg = Registers(x=torch.ones(64))
@@ -703,7 +704,7 @@ def slow_backend(gm, example_inputs):
 
 @pytest.mark.parametrize("slower, kept", [("eager", "compiled"), ("compiled", "eager")])
 def test_auto_keeps_the_faster_form(monkeypatch, slower, kept):
-    from flowvm.passes import fused_runtime
+    from flowvm.fused import runtime as fused_runtime
 
     monkeypatch.setattr(fused_runtime, "MIN_TRIAL_SECONDS", 0.0)
     reg = Registers(x=torch.zeros(3))

@@ -22,7 +22,7 @@ from .namespaces import isolate, template
 from .dot import to_dot, to_mermaid
 from .source import from_source, to_source
 from .passes import list_passes, optimize, register_pass
-from .passes.fuse_torch import FUSED, fusable
+from .fused import FUSED, fusable
 from .processes import POPEN, SPAWN
 from .data import Batches
 from . import analysis, checkpoint, testing  # noqa: F401,E402  (flowvm.testing.assert_same_run after import flowvm)

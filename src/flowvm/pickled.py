@@ -60,7 +60,7 @@ _PUBLIC = {
         "registers": ("Register", "Registers"),
         "driver": ("Driver",),
         "processes": ("POPEN", "SPAWN"),
-        "passes.fuse_torch": ("FUSED",),
+        "fused.element": ("FUSED",),
         "data": ("Batches",),
         "depends": ("Depends",),
         "errors": ("FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError", "CommandError",
@@ -80,7 +80,7 @@ _HELPERS = {
     "make_depends": "flowvm.depends:make_depends",
     "Scope": "flowvm.namespaces:Scope",
     "DependsCALL": "flowvm.depends:DependsCALL",
-    "FuseSettings": "flowvm.passes.fuse_torch:FuseSettings",
+    "FuseSettings": "flowvm.fused.element:FuseSettings",
     "ExecutorRef": "flowvm.executors:ExecutorRef",
 }
 

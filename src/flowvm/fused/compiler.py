@@ -1,0 +1,218 @@
+"""Compiling a FUSED element's generated function: the background compile thread, and the *direct* form
+(inductor's graph called without dynamo, behind flowvm's own layout check).  See flowvm/fused/runtime.py."""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+
+from .codegen import _barrier_index
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+
+# One daemon thread runs compile jobs, one at a time (dynamo compiles one frame at a time anyway).
+# A job that traces starts only when the thread is free, and the thread that started it waits
+# until dynamo has finished reading the real tensors (see Runtime._start_compile).
+_jobs: "queue.Queue[Callable[[], None]]" = queue.Queue()
+_worker: threading.Thread | None = None
+_worker_lock = threading.Lock()
+_busy = 0                                  # jobs submitted and not finished
+_imported: set[str] = set()                # compiler modules imported (by the worker or the program)
+_import_queued: set[str] = set()
+
+
+def _work() -> None:
+    global _busy
+    while True:
+        job = _jobs.get()
+        try:
+            job()
+        except BaseException:  # pragma: no cover - a job records its own errors
+            pass
+        finally:
+            with _worker_lock:
+                _busy -= 1
+
+
+def _submit(job: Callable[[], None], only_if_free: bool = False) -> bool:
+    """Run job on the compile thread (a daemon: a short run never waits for it at exit); with
+    only_if_free, only when no other job is queued or running.  Whether it was submitted."""
+    global _worker, _busy
+    with _worker_lock:
+        if only_if_free and _busy:
+            return False
+        if _worker is None or not _worker.is_alive():
+            _worker = threading.Thread(target=_work, name="flowvm-compile", daemon=True)
+            _worker.start()
+        _busy += 1
+        _jobs.put(job)
+    return True
+
+
+def _modules(backend: Any) -> tuple[str, ...]:
+    """The compiler modules a compile for this backend imports (seconds, the first time)."""
+    return ("torch._dynamo", "torch._inductor.compile_fx") if backend == "inductor" else ("torch._dynamo",)
+
+
+def _compiler_ready(names: tuple[str, ...]) -> bool:
+    """Whether these modules are imported; if not, the compile thread imports them (queued once)."""
+    if all(n in _imported for n in names):
+        return True
+    if not _import_queued.intersection(names) and all(n in sys.modules for n in names):
+        _imported.update(names)  # imported by the program itself
+        return True
+    todo = [n for n in names if n not in _imported and n not in _import_queued]
+    if todo:
+        def job():
+            import importlib
+
+            for n in todo:
+                try:
+                    importlib.import_module(n)
+                except Exception:  # the compile job itself reports it
+                    pass
+                _imported.add(n)
+
+        _import_queued.update(todo)
+        _submit(job)
+    return False
+
+
+def _inductor_after_tracing(s, traced: threading.Event) -> Callable:
+    """Inductor as torch.compile runs it (``mode``, ``options``, ``dynamic``), setting ``traced``
+    when AOTAutograd hands its first graph (on fake tensors) to inductor's inner compiler."""
+    import inspect
+
+    import torch
+    from torch._inductor import compile_fx as cfx
+
+    wrapper = torch._TorchCompileInductorWrapper(s.mode, dict(s.options), s.dynamic)
+    extra = {}
+    if "compile_region_name" in inspect.signature(cfx.compile_fx).parameters:
+        extra["compile_region_name"] = getattr(wrapper, "name", None)
+
+    def inner_compile(*args, **kwargs):
+        traced.set()
+        return cfx.compile_fx_inner(*args, **kwargs)
+
+    def inductor(gm, example_inputs):
+        return cfx.compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=dict(wrapper.config),
+                              **extra)
+
+    return inductor
+
+
+def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
+    """For a head that only computes on plain tensors (no autograd, no modules, nothing mutated or
+    aliased), inductor's compiled graph called directly, with no dynamo guards: (layouts, fn, bare
+    callable or None).
+
+    The guard is flowvm's own: every input has the layout (type, dtype, device, shape, strides) it
+    was compiled for and needs no gradient; anything else takes the dynamo path.  A small fused
+    step spends more time in dynamo's guards and frame handling than in its kernel, so this is
+    where compiling pays off for it.  None when the head does not qualify (or anything fails).
+    """
+    import torch
+
+    s = rt.settings
+    if s.backend != "inductor" or s.mode not in (None, "default") or s.dynamic or inference:
+        return None
+    if not args or not all(type(a) is torch.Tensor and not a.requires_grad for a in args):
+        return None
+    gen = rt.generated
+    calls = rt.el.calls if gen.tail is None else rt.el.calls[:_barrier_index(rt.el.calls)]
+    for call in calls:
+        if isinstance(call.fn, torch.nn.Module) or getattr(call.fn, "__self__", None) is not None \
+                and isinstance(call.fn.__self__, torch.nn.Module):
+            return None
+        for value in list(call.args) + list(call.kwargs.values()):
+            if isinstance(value, torch.nn.Module) or (isinstance(value, torch.Tensor) and value.requires_grad):
+                return None
+    try:
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        head = gen.head
+        with torch.no_grad():
+            gm = make_fx(head, tracing_mode="fake")(*args)
+        out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        results = out_node.args[0]
+        if not isinstance(results, (tuple, list)) or not all(
+                isinstance(r, torch.fx.Node) and isinstance(r.meta.get("val"), torch.Tensor) for r in results):
+            return None  # a value that is not a tensor
+        if any(r.op == "placeholder" for r in results):
+            return None  # an input handed back as it is (aliased)
+        for node in gm.graph.nodes:
+            schema = getattr(node.target, "_schema", None)
+            if node.op == "call_function" and (schema is None or schema.is_mutable
+                                               or any(r.alias_info is not None for r in schema.returns)):
+                return None  # in-place, random or view ops: left to dynamo, which handles them
+            if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+                return None  # random numbers: inductor draws them differently from eager
+        with torch._inductor.config.patch(dict(s.options)):
+            fn = compile_fx_inner(gm, list(args))
+    except Exception:
+        return None
+    layouts = tuple((type(a), a.dtype, a.device, a.shape, a.stride()) for a in args)
+    # On the CPU the graph's wrapper only adds bookkeeping (profiler labels, GPU autotune caches) around
+    # its generated callable: after one call through the wrapper, _compiled_call calls that directly.
+    call = getattr(fn, "current_callable", None)
+    if call is None or not set(getattr(fn, "device_types", None) or ()) <= {"cpu"}:
+        call = None
+    return layouts, fn, call
+
+
+def _direct_caller(rt: Runtime, kernel: Callable, first: bool) -> Callable:
+    """The compiled form with a direct graph: ``Runtime._compiled_call`` specialised to it, generated
+    with the layout check unrolled (a small step's time is mostly such overhead).  Installed as the
+    runtime's ``_compiled_call``; inputs failing the check take the general method.  With first,
+    the graph's wrapper runs once and then its bare callable replaces it (see _direct_compile)."""
+    import torch
+
+    layouts = rt._direct[0]
+    gen = rt.generated
+    n = len(rt.el.inputs)
+    params = [f"a{k}" for k in range(n)]
+    head = params if gen.head_positions is None else [params[k] for k in gen.head_positions]
+    ns: dict[str, Any] = {"rt": rt, "kernel": kernel, "tail": gen.tail, "general": type(rt)._compiled_call,
+                          "after_first": _after_first_direct_call}
+    checks = []
+    for k, (name, (cls, dtype, device, shape, stride)) in enumerate(zip(head, layouts)):
+        ns.update({f"c{k}": cls, f"d{k}": dtype, f"s{k}": shape, f"t{k}": stride, f"v{k}": device})
+        where = f"{name}.is_cpu" if device == torch.device("cpu") else f"{name}.device == v{k}"
+        checks.append(f"type({name}) is c{k} and {name}.dtype is d{k} and not {name}.requires_grad "
+                      f"and {name}.shape == s{k} and {name}.stride() == t{k} and {where}")
+    args = ", ".join(params)
+    result = "out" if gen.tail is None else f"tail(out, {args})"
+    lines = [
+        f"def compiled_call({args}):",
+        f"    if {' and '.join(checks) or 'True'}:",
+        "        rt.hits += 1",
+        "        try:",
+        f"            out = kernel([{', '.join(head)}])",
+        "        except Exception as err:",
+        f"            return rt._direct_failed(err, {args})",
+    ]
+    if first:
+        lines.append("        after_first(rt, compiled_call)")
+    lines += [f"        return {result}", f"    return general(rt, {args})"]
+    exec(compile("\n".join(lines) + "\n", f"<flowvm FUSED direct {id(rt.el):x}>", "exec"), ns)
+    return ns["compiled_call"]
+
+
+def _after_first_direct_call(rt: Runtime, old: Callable) -> None:
+    """After the graph's wrapper ran once: call its bare callable from now on (when it has one)."""
+    _, fn, bare = rt._direct
+    new = _direct_caller(rt, bare if bare is not None else fn, first=False)
+    rt._compiled_call = new
+    if rt.current is old:
+        rt.current = new
+    if rt._chosen is old:
+        rt._chosen = new
+
+
