@@ -42,8 +42,9 @@ exactly the frames settling would: a leaf repeated by its REPEAT
 (``_repeat_seq``, run() only), and a leaf followed by a simple sibling in its
 SEQ (``_after_leaf``).
 
-Frames and their layouts belong to flowvm/frames.py, which also holds the moves through each element
-kind (``START``/``NEXT``).
+Frames and their layouts belong to flowvm/frames.py, which also holds the moves through each element kind
+(``START``/``NEXT``) and settling (``settle``: handing finished values up, taking WEAVE turns, descending
+to the next leaf).
 """
 
 from __future__ import annotations
@@ -55,14 +56,14 @@ from typing import Any
 
 from .compile import leaf_function
 from .fastpaths import repeat_leaf, repeat_seq
-from .frames import NEXT, START, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_ROTATE, WEAVE_SEGMENTS, child_index, marks, weave_pick
+from .frames import child_index, credit_weaves, marks, settle
 from .environment import apply_random, apply_settings, capture_random, capture_settings, check_settings
 from .elements import REPEAT, SEQ, WEAVE, Element, provide, tool
 from .errors import RegisterError, SwitchError
 from .idle import Idle as _Idle
 from .paths import format_path
 from .registers import Registers
-from .sentinels import INCOMPLETE, NOVALUE, PENDING, PUSHED  # noqa: F401  (PENDING: the leaf protocol's)
+from .sentinels import INCOMPLETE, NOVALUE, PENDING
 
 
 
@@ -379,7 +380,7 @@ class Driver:
         if self.done:
             return False
         if not self._ready:
-            self._settle()
+            settle(self)
             if self.done:
                 return False
         stack = self._stack
@@ -425,7 +426,7 @@ class Driver:
         self._ready = False
         self._leaf = self._fast = self._fastseq = None
         if self._weave:
-            self._credit_weaves()
+            credit_weaves(self)
         try:
             self._prepare()
         except Exception:
@@ -437,7 +438,7 @@ class Driver:
         self.steps += 1
         self._fresh = None
         if self._weave:
-            self._credit_weaves()
+            credit_weaves(self)
             if self._rotate:
                 self._ready = False
                 self._leaf = self._fast = self._fastseq = None
@@ -446,85 +447,10 @@ class Driver:
                 except Exception:
                     pass
 
-    def _settle(self) -> None:
-        """Hand finished values up, take WEAVE turns, and descend to the next leaf."""
-        stack = self._stack
-        value = self._carry
-        nexts, starts, pushed, novalue = NEXT, START, PUSHED, NOVALUE
-        # The frames this settle starts: those of them right below the next leaf have taken no step
-        # yet, so a hot patch may rewind them (see _fresh and flowvm.hotpatch).
-        entered: dict[int, list] = {}  # id -> frame (held, so that no id is reused meanwhile)
-        try:
-            while True:
-                if value is not novalue:
-                    if not stack:
-                        self.done = True
-                        self.result = value
-                        self._carry = novalue
-                        self._ready = True
-                        return
-                    fr = stack[-1]
-                    r = nexts[fr[0].__class__](self, fr, value)
-                else:
-                    if self._rotate:
-                        self._rotate_weaves()
-                    fr = stack[-1]
-                    el = fr[0]
-                    if el.is_leaf:
-                        self._carry = novalue
-                        self._ready = True
-                        fresh = len(stack) - 1
-                        while fresh and id(stack[fresh - 1]) in entered:
-                            fresh -= 1
-                        self._fresh = fresh
-                        return
-                    entered[id(fr)] = fr
-                    r = starts[el.__class__](self, fr)
-                if r is pushed:
-                    value = novalue
-                else:
-                    stack.pop()
-                    value = r
-        except Exception as err:
-            # the move that failed is retried from here; or the frame it failed in was re-entered
-            self._carry = NOVALUE if getattr(err, "_flowvm_rewound", False) else value
-            if not getattr(err, "_flowvm_noted", False):
-                self._annotate(err, "finishing" if value is not novalue else "entering")
-            self._move_error = err  # for _running_error, the step's handler (a cache: never pickled)
-            raise
-
-    def _credit_weaves(self) -> None:
-        """After a leaf: every WEAVE around it counts one step of its active child's turn."""
-        for fr in self._stack:
-            if type(fr[0]) is WEAVE:
-                credits = fr[WEAVE_CREDITS]
-                a = fr[WEAVE_ACTIVE]
-                credits[a] -= 1
-                if credits[a] < 1:
-                    fr[WEAVE_ROTATE] = True
-                    self._rotate = True
-
-    def _rotate_weaves(self) -> None:
-        """Hand the turn to the next child in every WEAVE whose active child used up its turn."""
-        self._rotate = False
-        stack = self._stack
-        for k in range(len(stack) - 1, -1, -1):
-            fr = stack[k]
-            if type(fr[0]) is WEAVE and len(fr) > 1 and fr[WEAVE_ROTATE]:
-                fr[WEAVE_ROTATE] = False
-                a = fr[WEAVE_ACTIVE]
-                segs = fr[WEAVE_SEGMENTS]
-                segs[a] = stack[k + 1:]
-                del stack[k + 1:]
-                b = weave_pick(fr, a + 1)
-                stack.extend(segs[b])
-                segs[b] = None
-                fr[WEAVE_ACTIVE] = b
-
     def _running_error(self, err: BaseException) -> BaseException:
         """err raised by the leaf on top, annotated; a register the leaf reads that holds no value (the
         KeyError of its lookup) becomes a RegisterError naming it.  The error of a move (settling into
-        the leaf), which _settle annotated, is left as it is."""
+        the leaf), which frames.settle annotated, is left as it is."""
         if self.__dict__.pop("_move_error", None) is err:
             return err
         el = self._stack[-1][0] if self._stack else None

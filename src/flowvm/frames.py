@@ -1,4 +1,5 @@
-"""Frames: the run state of each active element, and the one module that knows their layout.
+"""Frames: the run state of each active element, the one module that knows their layout, and the moves
+through them (entering and leaving each element kind, settling to the next leaf, WEAVE turns).
 
 A frame is a list whose item 0 is the element; the rest are that element's counters.  Lists keep a run
 plain data (it pickles, copies and compares as such) and cheap to step.  A frame of length 1 is
@@ -34,7 +35,7 @@ from typing import Any, Callable, Iterator
 from .elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
 from .errors import FlowError, RegisterError, SwitchError
 from .registers import Register
-from .sentinels import PUSHED
+from .sentinels import NOVALUE, PUSHED
 
 # the named slots
 SEQ_POS = 1
@@ -367,3 +368,80 @@ START = {SEQ: _start_seq, REPEAT: _start_repeat, BUFFER: _start_buffer, LOOP: _s
           WHILE: _start_while, SWITCH: _start_switch, WEAVE: _start_weave}
 NEXT = {SEQ: _next_seq, REPEAT: _next_repeat, BUFFER: _next_buffer, LOOP: _next_loop,
          WHILE: _next_while, SWITCH: _next_switch, WEAVE: _next_weave}
+
+
+# ------------------------------------------------------------------------ settling
+def settle(drv) -> None:
+    """Hand finished values up, take WEAVE turns, and descend to the next leaf."""
+    stack = drv._stack
+    value = drv._carry
+    nexts, starts, pushed, novalue = NEXT, START, PUSHED, NOVALUE
+    # The frames this settle starts: those of them right below the next leaf have taken no step
+    # yet, so a hot patch may rewind them (see _fresh and flowvm.hotpatch).
+    entered: dict[int, list] = {}  # id -> frame (held, so that no id is reused meanwhile)
+    try:
+        while True:
+            if value is not novalue:
+                if not stack:
+                    drv.done = True
+                    drv.result = value
+                    drv._carry = novalue
+                    drv._ready = True
+                    return
+                fr = stack[-1]
+                r = nexts[fr[0].__class__](drv, fr, value)
+            else:
+                if drv._rotate:
+                    rotate_weaves(drv)
+                fr = stack[-1]
+                el = fr[0]
+                if el.is_leaf:
+                    drv._carry = novalue
+                    drv._ready = True
+                    fresh = len(stack) - 1
+                    while fresh and id(stack[fresh - 1]) in entered:
+                        fresh -= 1
+                    drv._fresh = fresh
+                    return
+                entered[id(fr)] = fr
+                r = starts[el.__class__](drv, fr)
+            if r is pushed:
+                value = novalue
+            else:
+                stack.pop()
+                value = r
+    except Exception as err:
+        # the move that failed is retried from here; or the frame it failed in was re-entered
+        drv._carry = NOVALUE if getattr(err, "_flowvm_rewound", False) else value
+        if not getattr(err, "_flowvm_noted", False):
+            drv._annotate(err, "finishing" if value is not novalue else "entering")
+        drv._move_error = err  # for _running_error, the step's handler (a cache: never pickled)
+        raise
+
+def credit_weaves(drv) -> None:
+    """After a leaf: every WEAVE around it counts one step of its active child's turn."""
+    for fr in drv._stack:
+        if type(fr[0]) is WEAVE:
+            credits = fr[WEAVE_CREDITS]
+            a = fr[WEAVE_ACTIVE]
+            credits[a] -= 1
+            if credits[a] < 1:
+                fr[WEAVE_ROTATE] = True
+                drv._rotate = True
+
+def rotate_weaves(drv) -> None:
+    """Hand the turn to the next child in every WEAVE whose active child used up its turn."""
+    drv._rotate = False
+    stack = drv._stack
+    for k in range(len(stack) - 1, -1, -1):
+        fr = stack[k]
+        if type(fr[0]) is WEAVE and len(fr) > 1 and fr[WEAVE_ROTATE]:
+            fr[WEAVE_ROTATE] = False
+            a = fr[WEAVE_ACTIVE]
+            segs = fr[WEAVE_SEGMENTS]
+            segs[a] = stack[k + 1:]
+            del stack[k + 1:]
+            b = weave_pick(fr, a + 1)
+            stack.extend(segs[b])
+            segs[b] = None
+            fr[WEAVE_ACTIVE] = b
