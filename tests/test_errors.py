@@ -8,7 +8,7 @@ import pytest
 
 from flowvm.edit import EditError
 from flowvm.errors import CheckpointError, FlowError, RegisterError, SwitchError, VerifyError
-from flowvm.executors import SpawnError, SpawnTimeout
+from flowvm.errors import SpawnError, SpawnTimeout
 from flowvm.passes import PassError, UnknownPassError
 from flowvm.processes import CommandError
 from flowvm.source import SourceError

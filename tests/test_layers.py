@@ -17,7 +17,7 @@ LAYERS = {
     "pickler": 3, "fileformat": 3, "checkpoint": 3, "storage": 3, "remote": 3,
     "edit": 4, "hotpatch": 4, "namespaces": 4,
     "dot": 5, "source": 5,
-    "processes": 6, "executors": 6,
+    "processes": 6, "executors": 6, "job": 6,
     "fused": 7, "fused.codegen": 7, "fused.compiler": 7, "fused.runtime": 7, "fused.element": 7,
     "passes": 7, "passes.registry": 7, "passes.rewrite": 7, "passes.flatten": 7, "passes.buffers": 7, "passes.fuse_torch": 7,
     "__init__": 8, "testing": 8, "programs": 8,

@@ -47,8 +47,9 @@ from .analysis import writes
 from .sentinels import PENDING
 from .elements import Element, Leaf, _check_element, _check_target
 from .errors import TAIL_CHARS, CommandError, SpawnError, SpawnTimeout, VerifyError
-from .executors import (ExecutorRef, Job, check_executor, default_executor,
-                        executor_name, executor_token, register_executor, shutdown_default_executor)
+from .executors import (ExecutorRef, check_executor, default_executor, executor_by_token, executor_name,
+                        executor_token, register_executor, shutdown_default_executor)
+from .job import Job
 from .registers import Register, iter_registers, resolve
 
 __all__ = ["POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout", "register_executor", "default_executor",
@@ -457,9 +458,7 @@ class SPAWN(Leaf):
     def __setstate__(self, state: dict) -> None:
         ex = state.get("executor")
         if isinstance(ex, ExecutorRef):
-            from .executors import _by_token
-
-            found = _by_token.get(ex.token)
+            found = executor_by_token(ex.token)
             if found is not None:
                 state = dict(state, executor=found)
         super().__setstate__(state)
