@@ -15,7 +15,7 @@ LAYERS = {
     "registers": 1, "paths": 1, "elements": 1, "analysis": 1, "printer": 1, "verify": 1,
     "frames": 2, "compile": 2, "fastpaths": 2, "driver": 2, "running": 2, "depends": 2, "idle": 2,
     "pickler": 3, "fileformat": 3, "checkpoint": 3, "storage": 3, "remote": 3,
-    "edit": 4, "hotpatch": 4, "namespaces": 4,
+    "match": 4, "edit": 4, "hotpatch": 4, "namespaces": 4,
     "dot": 5, "source": 5,
     "processes": 6, "executors": 6, "job": 6,
     "fused": 7, "fused.codegen": 7, "fused.compiler": 7, "fused.runtime": 7, "fused.element": 7,
