@@ -76,3 +76,10 @@ def test_the_reference_scan_sees_a_private_name(tmp_path):
     flowvm.save(drv, tmp_path / "p.ckpt")
     assert ("flowvm.testing", "_feed") in references(tmp_path / "p.ckpt")
     assert _private("flowvm.testing", "_feed") and not _private("flowvm", "CALL")
+
+
+def test_every_object_a_saved_run_may_name_is_marked_with_its_stable_name():
+    from flowvm import pickled
+
+    pickled.check()
+    assert flowvm.CALL.__module__ == "flowvm" and flowvm.pickled.rebuild_driver.__module__ == "flowvm.pickled"

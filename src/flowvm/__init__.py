@@ -27,10 +27,6 @@ from .processes import POPEN, SPAWN
 from .data import Batches
 from . import analysis, checkpoint, testing  # noqa: F401,E402  (flowvm.testing.assert_same_run after import flowvm)
 
-from . import pickled as _pickled
-
-_pickled.publish()  # every object a saved run names pickles under flowvm.NAME or flowvm.pickled.NAME
-
 from .version import __version__
 
 __all__ = [

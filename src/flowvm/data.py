@@ -17,6 +17,8 @@ serves exactly the batch it would have served next, without re-reading or
 skipping samples, whatever happens to the global random states meanwhile.
 
 >>> import numpy as np
+
+from .pickled import stable
 >>> data = Batches(np.arange(10), batch_size=4, seed=0)
 >>> len(data), data.epoch, data.position
 (3, 0, 0)
@@ -39,6 +41,8 @@ import sys
 from typing import Any, Callable
 
 import numpy as np
+
+from .pickled import stable
 
 __all__ = ["Batches"]
 
@@ -90,6 +94,7 @@ def stack_items(items: list) -> Any:
     return list(items)
 
 
+@stable("flowvm")
 class Batches:
     """Minibatches over arrays, tensors or a dataset, shuffled per epoch; the position is plain data.
 

@@ -42,12 +42,14 @@ import keyword
 import inspect
 from typing import Any, Callable
 
+from .pickled import stable
 from .driver import Driver
 from .elements import CALL, provide
 from .errors import FlowError
 from .registers import Register, Registers, has_registers, resolve, same_kind_of_dict
 
 
+@stable("flowvm")
 class Depends:
     """A CALL argument that stands for ``provider()``, called when the CALL runs.
 
@@ -88,6 +90,7 @@ class Depends:
         return f"Depends({fn_name(self.dependency)}{extra})"
 
 
+@stable("flowvm.pickled")
 def make_depends(dependency, use_cache):
     return Depends(dependency, use_cache=use_cache)
 
@@ -246,6 +249,7 @@ def _factory(el: "DependsCALL") -> Callable:
     return ns["factory"]
 
 
+@stable("flowvm.pickled")
 class DependsCALL(CALL):
     """A CALL with ``Depends`` arguments (``CALL(...)`` builds one by itself when it sees a Depends).
 

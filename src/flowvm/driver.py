@@ -54,6 +54,7 @@ import weakref
 from time import monotonic
 from typing import Any
 
+from .pickled import stable
 from .compile import leaf_function
 from .fastpaths import repeat_leaf, repeat_seq
 from .frames import child_index, credit_weaves, marks, settle
@@ -68,6 +69,7 @@ from .sentinels import INCOMPLETE, NOVALUE, PENDING
 
 
 
+@stable("flowvm")
 class Driver:
     """Runs a program step by step; a half-run driver pickles and resumes anywhere.
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numbers
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
+from .pickled import stable
 from .environment import check_settings
 from .paths import get, walk
 from .registers import Register, iter_registers
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 _EDITS = [0]  # in-place edits so far (flowvm.edit.become): subtree caches older than the last are stale
 
 
+@stable("flowvm")
 class Element:
     """Base class of all elements."""
 
@@ -239,6 +241,7 @@ def _check_target(store_to: Any, owner: str) -> Register | None:
     return store_to
 
 
+@stable("flowvm")
 class CALL(Element):
     """One step: call ``fn(*args, **kwargs)``.
 
@@ -270,6 +273,7 @@ class CALL(Element):
         return [self.store_to] if self.store_to is not None else []
 
 
+@stable("flowvm")
 class PRINT(Element):
     """One step: print the objects (a Register prints its value)."""
 
@@ -286,6 +290,7 @@ class PRINT(Element):
         return list(iter_registers(self.objs))
 
 
+@stable("flowvm")
 class SEQ(Element):
     """Run the children in order; the value is the last child's."""
 
@@ -307,6 +312,7 @@ class SEQ(Element):
         return SEQ(children)
 
 
+@stable("flowvm")
 class REPEAT(Element):
     """Run ``element`` n times (n an int or a Register read on entry).
 
@@ -339,6 +345,7 @@ class REPEAT(Element):
         return [self.counter] if self.counter is not None else []
 
 
+@stable("flowvm")
 class LOOP(Element):
     """Run ``element`` forever; only an enclosing WEAVE (or stopping the driver) ends it."""
 
@@ -356,6 +363,7 @@ class LOOP(Element):
         return LOOP(body)
 
 
+@stable("flowvm")
 class WHILE(Element):
     """Evaluate ``cond`` (a CALL, one step) before each iteration; loop while it is truthy.
 
@@ -378,6 +386,7 @@ class WHILE(Element):
         return WHILE(cond, body)
 
 
+@stable("flowvm")
 class SWITCH(Element):
     """Run ``cases[value]`` where value is the selector's (a Register, or a CALL run as a step).
 
@@ -424,6 +433,7 @@ class SWITCH(Element):
         return [self.selector] if isinstance(self.selector, Register) else []
 
 
+@stable("flowvm")
 class WEAVE(Element):
     """Interleave the children, one step each in round-robin order.
 
@@ -473,6 +483,7 @@ class WEAVE(Element):
         return len(self.elements) if self.n_required == -1 else self.n_required
 
 
+@stable("flowvm")
 class BUFFER(Element):
     """Run ``element`` n times and collect its values.
 

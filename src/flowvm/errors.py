@@ -10,10 +10,13 @@ from __future__ import annotations
 import signal
 import subprocess
 
+from .pickled import stable
+
 # how much of a failed command's stderr its CommandError quotes
 TAIL_CHARS = 2000
 
 
+@stable("flowvm.pickled")
 def rebuild_error(cls: type, args: tuple, state: dict) -> "FlowError":
     """An unpickled FlowError: its args and attributes set back without calling ``__init__``."""
     err = cls.__new__(cls, *args)
@@ -22,6 +25,7 @@ def rebuild_error(cls: type, args: tuple, state: dict) -> "FlowError":
     return err
 
 
+@stable("flowvm")
 class FlowError(Exception):
     """Base class of flowvm's own errors.
 
@@ -41,6 +45,7 @@ class FlowError(Exception):
         return rebuild_error, (type(self), self.args, self.__dict__)
 
 
+@stable("flowvm")
 class VerifyError(FlowError):
     """A program failed static verification.
 
@@ -54,6 +59,7 @@ class VerifyError(FlowError):
         self.register = register
 
 
+@stable("flowvm")
 class RegisterError(FlowError, KeyError):
     """A register was read before anything was stored in it."""
 
@@ -66,6 +72,7 @@ class RegisterError(FlowError, KeyError):
         return str(self.args[0])
 
 
+@stable("flowvm")
 class SwitchError(FlowError, LookupError):
     """A SWITCH selector value has no case and the SWITCH has no default."""
 
@@ -75,6 +82,7 @@ class SwitchError(FlowError, LookupError):
         self.path = path
 
 
+@stable("flowvm")
 class CheckpointError(FlowError):
     """A checkpoint file cannot be written, read or trusted.
 
@@ -87,6 +95,7 @@ class CheckpointError(FlowError):
         self.reason = reason
 
 
+@stable("flowvm")
 class SpawnError(FlowError):
     """A SPAWN could not run its fragment: a dead worker, a cancelled task, an executor gone.
 
@@ -95,10 +104,12 @@ class SpawnError(FlowError):
     """
 
 
+@stable("flowvm")
 class SpawnTimeout(SpawnError, TimeoutError):
     """A SPAWN's fragment ran longer than the SPAWN's timeout."""
 
 
+@stable("flowvm")
 class SourceError(FlowError, ValueError):
     """A program holds something that has no source form; ``path`` names the element."""
 
@@ -107,6 +118,7 @@ class SourceError(FlowError, ValueError):
         self.path = path
 
 
+@stable("flowvm")
 class EditError(FlowError, LookupError):
     """An edit that cannot be made: no match, a running element, an element that cannot go there.
 
@@ -118,6 +130,7 @@ class EditError(FlowError, LookupError):
         self.path = path
 
 
+@stable("flowvm")
 class CommandError(FlowError, subprocess.CalledProcessError):
     """A POPEN with check=True exited with a non-zero code; the message ends with the tail of its stderr."""
 
@@ -140,6 +153,7 @@ class CommandError(FlowError, subprocess.CalledProcessError):
         return text
 
 
+@stable("flowvm")
 class PassError(FlowError):
     """A pass failed or produced a program that does not verify.
 
@@ -154,6 +168,7 @@ class PassError(FlowError):
         self.register = register
 
 
+@stable("flowvm")
 class UnknownPassError(PassError, KeyError):
     """A pass name that is not registered, or options for a pass that is not in the pipeline (a PassError,
     and a KeyError as a failed lookup)."""

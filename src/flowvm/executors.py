@@ -37,6 +37,7 @@ import time
 import weakref
 from typing import Any
 
+from .pickled import stable
 from .errors import SpawnError
 
 _lock = threading.RLock()
@@ -334,6 +335,7 @@ def executor_token(executor) -> str:
     return token
 
 
+@stable("flowvm.pickled")
 class ExecutorRef:
     """An executor instance as pickled: found again by token in the process that pickled it."""
 

@@ -52,6 +52,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from .pickled import stable
 from .elements import BUFFER, CALL, PRINT, REPEAT, SWITCH, Element, provide
 from .registers import Register, Registers, same_kind_of_dict
 from .verify import check_collisions, collisions, instances  # noqa: F401  (they check what isolate makes)
@@ -59,6 +60,7 @@ from .verify import check_collisions, collisions, instances  # noqa: F401  (they
 SEPARATOR = "."
 
 
+@stable("flowvm.pickled")
 @dataclass(frozen=True)
 class Scope:
     """The mark on an instance's root: its namespace (None: not renamed), template name, shared registers."""

@@ -9,8 +9,8 @@ run can name pickles under one of two stable names, whatever module defines it:
 - ``flowvm.pickled.NAME`` for the helpers that rebuild a run (``rebuild_driver``, ``sentinel``, ...).
 
 The bundled programs' classes pickle under their public modules (``flowvm.programs.mlp.Trainer``).
-``publish()`` (run once, when ``flowvm`` is imported) points each object's ``__module__`` and
-``__qualname__`` at its stable name.  A name that must change all the same goes into ``LEGACY_NAMES``,
+Each such object is marked where it is defined, with the ``@stable(module)`` decorator below, which
+points its ``__module__`` and ``__qualname__`` at its stable name; ``check()`` verifies the tables.  A name that must change all the same goes into ``LEGACY_NAMES``,
 which the loader (``find_class``) reads, so older files keep loading.
 
 >>> import pickle, flowvm
@@ -21,12 +21,12 @@ False
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["rebuild_driver", "load_driver_bytes", "with_grad", "set_lbfgs_state", "global_generator",
            "rebuild_storage", "rebuild_typed_storage",
            "sentinel", "rebuild_error", "make_depends", "Scope", "DependsCALL", "FuseSettings", "ExecutorRef",
-           "find_class", "LEGACY_NAMES", "STABLE_MODULES", "publish"]
+           "find_class", "LEGACY_NAMES", "STABLE_MODULES", "stable", "check"]
 
 # (module, name) a pickle names -> (module, name) it is found under now: for names that moved.  The
 # names files of flowvm 0.1.0 (checkpoint format 1) use, which were module paths, come first.
@@ -108,22 +108,36 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'flowvm.pickled' has no attribute {name!r}")
 
 
-def publish() -> None:
-    """Make every object above pickle under its stable name (called by flowvm/__init__.py)."""
+def stable(module: str) -> Callable[[Any], Any]:
+    """Decorator for a class or function that saved runs may name: it pickles as ``module.NAME``
+    (``flowvm`` for the public API, ``flowvm.pickled`` for the helpers that rebuild a run), whatever
+    module defines it; a class's methods follow it (a bound method pickles by its function's name)."""
+    def mark(obj: Any) -> Any:
+        name = obj.__name__
+        obj.__module__ = module
+        obj.__qualname__ = name
+        if isinstance(obj, type):
+            for attr, value in vars(obj).items():
+                fn = getattr(value, "__func__", value)
+                if callable(fn) and getattr(fn, "__qualname__", None) == f"{name}.{attr}":
+                    fn.__module__ = module
+        return obj
+    return mark
+
+
+def check() -> None:
+    """Each object the tables above name is marked with its stable name and found under it (a test runs
+    this): otherwise saved runs could not name it, or would name a module path that may move."""
     import sys
 
     for module, table in (("flowvm", _PUBLIC), ("flowvm.pickled", _HELPERS)):
         for name, spec in table.items():
             obj = _resolve(spec)
+            if obj.__module__ != module or obj.__qualname__ != name:
+                raise AssertionError(f"{spec} pickles as {obj.__module__}.{obj.__qualname__}, not {module}.{name}: "
+                                     f"decorate it with @stable({module!r})")
             if module == "flowvm" and getattr(sys.modules["flowvm"], name, None) is not obj:
-                raise ImportError(f"flowvm.pickled: {name} is not exported by flowvm, so it could not unpickle")
-            obj.__module__ = module
-            obj.__qualname__ = name
-            if isinstance(obj, type):  # its methods too: a bound method pickles by its function's name
-                for attr, value in vars(obj).items():
-                    fn = getattr(value, "__func__", value)
-                    if callable(fn) and getattr(fn, "__qualname__", None) == f"{name}.{attr}":
-                        fn.__module__ = module
+                raise AssertionError(f"{name} is not exported by flowvm, so a saved run could not name it")
 
 
 def find_class(module: str, name: str) -> tuple[str, str]:

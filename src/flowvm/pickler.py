@@ -20,10 +20,12 @@ from typing import Any
 
 import cloudpickle
 
+from .pickled import stable
 from .elements import provide
 from .environment import check_random, check_settings
 from .errors import CheckpointError, CopyWarning
 
+@stable("flowvm.pickled")
 def global_generator(name: str) -> Any:
     """The process-wide generator object named name ("random", "numpy" or "torch")."""
     if name == "random":
@@ -59,17 +61,20 @@ class _WithoutGrad:
         return self.tensor.__reduce_ex__(protocol)
 
 
+@stable("flowvm.pickled")
 def with_grad(tensor, grad):
     tensor.grad = grad
     return tensor
 
 
+@stable("flowvm.pickled")
 def set_lbfgs_state(opt, state) -> None:
     opt.__setstate__(state)
     opt._params = opt.param_groups[0]["params"]
     opt._numel_cache = None
 
 
+@stable("flowvm.pickled")
 def rebuild_driver(state: dict):
     """A copy of a driver, from Driver.__getstate__; its saved random states and settings are checked
     here (a malformed one is a CheckpointError naming the generator or setting) and set by its first
@@ -218,12 +223,14 @@ def storage_bytes(storage):
 
 # rebuild_typed_storage and rebuild_storage are named in every saved file that holds a CPU tensor:
 # keep their names.
+@stable("flowvm.pickled")
 def rebuild_typed_storage(untyped, dtype):
     import torch
 
     return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
+@stable("flowvm.pickled")
 def rebuild_storage(data, byteorder: str):
     """A CPU torch UntypedStorage from what _reduce_untyped_storage wrote: the storage a checkpoint's
     loader read the bytes into (used as it is), or the bytes themselves (copied into memory torch
@@ -306,6 +313,7 @@ def pickle_with_python(obj: Any) -> tuple[bytes, str | None]:
     return buf.getvalue(), pickler.bytecode
 
 
+@stable("flowvm.pickled")
 def load_driver_bytes(data: bytes, bytecode: str | None = None):
     """A driver from the bytes its __reduce_ex__ wrote (how pickle, cloudpickle and deepcopy copy one)."""
     check_bytecode(bytecode, "<copy>")

@@ -43,6 +43,7 @@ import time
 import weakref
 from typing import Any
 
+from .pickled import stable
 from .analysis import writes
 from .sentinels import PENDING
 from .elements import Element, Leaf, _check_element, _check_target
@@ -78,6 +79,7 @@ def _print_value(value: Any, limit: int = 60) -> str:
 
 
 
+@stable("flowvm")
 class POPEN(Leaf):
     """One leaf that runs an OS command: launched on its first step, polled by every later one.
 
@@ -357,6 +359,7 @@ class _Process:
 
 
 # ===================================================================== SPAWN
+@stable("flowvm")
 class SPAWN(Leaf):
     """Run a program fragment in another process; merge back the registers it writes.
 

@@ -7,11 +7,14 @@ driver reads or writes the value when the element runs.
 
 from __future__ import annotations
 
+from .pickled import stable
+
 import copy
 
 from typing import Any
 
 
+@stable("flowvm")
 class Registers(dict):
     """The register file: a dict of named values.
 
@@ -32,6 +35,7 @@ class Registers(dict):
         return f"Registers({dict.__repr__(self)})"
 
 
+@stable("flowvm")
 class Register:
     """A reference to one named slot of one register file."""
 

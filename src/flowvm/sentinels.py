@@ -6,6 +6,8 @@ itself.
 
 from __future__ import annotations
 
+from .pickled import stable
+
 __all__ = ["INCOMPLETE", "PENDING", "NOVALUE", "PUSHED", "sentinel"]
 
 
@@ -32,6 +34,7 @@ class _Sentinel:
 _SENTINELS: dict[str, "_Sentinel"] = {}
 
 
+@stable("flowvm.pickled")
 def sentinel(name: str) -> "_Sentinel":
     """The singleton named name (how sentinels unpickle)."""
     return _SENTINELS[name]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping
 
 
+from ..pickled import stable
 from ..elements import CALL, SEQ, Element
 from ..registers import Register, iter_registers
 from .runtime import Runtime
@@ -86,6 +87,7 @@ def is_fusable(fn: Any) -> bool:
 _C_NAMESPACES = {"torch", "torch._C._nn", "torch._C._linalg", "torch._C._special", "torch._C._fft"}
 
 
+@stable("flowvm.pickled")
 @dataclass(frozen=True)
 class FuseSettings:
     """How a FUSED element compiles and chooses its form.
@@ -149,6 +151,7 @@ class FuseSettings:
         return self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "custom")
 
 
+@stable("flowvm")
 class FUSED(Element):
     """One step that runs several CALLs through one generated, optionally torch.compile'd function.
 
