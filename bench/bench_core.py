@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 import flowvm  # noqa: E402
 from flowvm import CALL, INCOMPLETE, REPEAT, SEQ, Registers  # noqa: E402
-from flowvm.paths import walk  # noqa: E402
+from flowvm.program.paths import walk  # noqa: E402
 
 try:  # optional: only the ignite comparison needs it (pip install -e .[bench])
     import ignite

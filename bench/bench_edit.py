@@ -33,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 import flowvm  # noqa: E402
 from flowvm import CALL, REPEAT, SEQ, Depends, Registers  # noqa: E402
-from flowvm.paths import walk  # noqa: E402
+from flowvm.program.paths import walk  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "edit.json"
 

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import flowvm  # noqa: E402
 from flowvm import CALL, REPEAT, SEQ, Registers  # noqa: E402
 from flowvm import FUSED  # noqa: E402
-from flowvm.paths import walk  # noqa: E402
+from flowvm.program.paths import walk  # noqa: E402
 
 F = torch.nn.functional
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "fuse.json"

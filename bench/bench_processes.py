@@ -41,7 +41,7 @@ import psutil  # noqa: E402
 
 import flowvm  # noqa: E402
 from flowvm import CALL, INCOMPLETE, POPEN, REPEAT, SEQ, SPAWN, WEAVE, Registers  # noqa: E402
-from flowvm.executors import default_executor, default_workers  # noqa: E402
+from flowvm.processes.executors import default_executor, default_workers  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "processes.json"
 

@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import flowvm  # noqa: E402
-from flowvm.data import Batches  # noqa: E402
+from flowvm.base.data import Batches  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "programs.json"
 QUICK = {"pca": {"batches": 2}, "kmeans": {"samples": 2000}, "mlp": {"epochs": 4}, "rbm": {"epochs": 3},

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from flowvm import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Registers
 
 import toy
-from flowvm.analysis import can_step
+from flowvm.program.analysis import can_step
 
 DATA = ("r0", "r1", "r2", "r3")
 

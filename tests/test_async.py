@@ -11,8 +11,8 @@ import pytest
 
 import flowvm
 from flowvm import CALL, INCOMPLETE, LOOP, POPEN, REPEAT, SEQ, SPAWN, WEAVE, Registers
-from flowvm.driver import PENDING
-from flowvm.elements import Element
+from flowvm import PENDING
+from flowvm.program.elements import Element
 from flowvm.testing import outcome, same
 
 pytestmark = pytest.mark.timeout(60)

@@ -23,7 +23,7 @@ import torch
 
 import flowvm
 from flowvm import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, CheckpointError, Registers
-from flowvm import checkpoint as ckpt
+from flowvm.persist import checkpoint as ckpt
 
 import toy as h
 
@@ -187,7 +187,7 @@ def cuts(total):
 
 
 # ------------------------------------------------------------------ file surgery
-# The layout is the one documented in flowvm/checkpoint.py:
+# The layout is the one documented in flowvm/persist/checkpoint.py:
 #     MAGIC | header length (4, big-endian) | header JSON | [SHA-256 of the bytes so far (32)]
 #     | payload | SHA-256 of everything before (32) | [HMAC-SHA256 (32), signed files]
 # The header checksum is optional here so that these helpers follow the format either way.
@@ -798,7 +798,7 @@ def test_a_loaded_run_sets_the_global_generators_at_its_first_step(tmp_path):
     assert_rng_state(rng_state(), before_load)
     loaded.step()  # sets the saved states, then draws as the original's ninth step does
     after_first_step = rng_state()
-    from flowvm.environment import apply_random
+    from flowvm.base.environment import apply_random
     scramble_rng()
     at_save = flowvm.load(tmp_path / "r.ckpt").saved_environment["random"]
     apply_random(at_save)

@@ -1,6 +1,6 @@
 """Checkpoint format 2: tensors and arrays out of band, format 1 still read, damaged files refused.
 
-The layout is the one documented in flowvm/checkpoint.py:
+The layout is the one documented in flowvm/persist/checkpoint.py:
     MAGIC | header length (4) | header JSON | SHA-256 (32)
     | buffer 0 | buffer 1 | ... | pickle stream | SHA-256 (32) | [HMAC-SHA256 (32)]
 with the buffer table ``"buffers": [[nbytes, kind], ...]`` in the header.
@@ -25,8 +25,8 @@ import torch
 
 import flowvm
 from flowvm import CALL, SEQ, CheckpointError, Registers
-from flowvm import checkpoint as ckpt
-from flowvm import pickler
+from flowvm.persist import checkpoint as ckpt
+from flowvm.persist import pickler
 
 BIG = 1 << 16  # bytes at which a buffer leaves the pickle stream (checkpoint.OUT_OF_BAND_MIN)
 

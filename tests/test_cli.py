@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import flowvm
-from flowvm.cli import bundled_programs, parse_sets
-from flowvm.runner import short_value, static_steps
+from flowvm.command.cli import bundled_programs, parse_sets
+from flowvm.command.runner import short_value, static_steps
 from flowvm.programs import pca
 from flowvm.testing import diff, outcome
 
@@ -65,7 +65,7 @@ def test_run_a_program_file_and_resume_it_from_another_directory(tmp_path):
     out = flowvm_cmd("run", kmeans_file(), "--set", "samples=300", "--checkpoint", ckpt,
                      "--max-steps", 20, "--progress", "none")
     assert f"paused at step 20; continue with `flowvm resume {ckpt}`" in out.stdout
-    assert flowvm.checkpoint.read_header(ckpt)["steps"] == 20
+    assert flowvm.read_header(ckpt)["steps"] == 20
     flowvm_cmd("resume", ckpt, "--progress", "none", cwd=tmp_path)
     flowvm_cmd("run", "kmeans", "--set", "samples=300", "--checkpoint", tmp_path / "straight.ckpt",
                "--progress", "none")
@@ -152,7 +152,7 @@ def test_run_refuses_to_replace_a_file_that_is_no_checkpoint_unless_forced(tmp_p
     assert out.returncode == 1 and f"{notes} exists and is not a flowvm checkpoint" in out.stderr
     assert notes.read_text() == "precious\n"
     flowvm_cmd("run", "pca", "--set", "batches=2", "--checkpoint", notes, "--force", "--progress", "none")
-    assert flowvm.checkpoint.read_header(notes)["done"]
+    assert flowvm.read_header(notes)["done"]
 
 
 def test_unknown_targets_and_missing_files_are_named(tmp_path):
@@ -200,7 +200,7 @@ def test_signed_checkpoints_with_the_key_from_the_environment(tmp_path):
     ckpt = tmp_path / "signed.ckpt"
     env = dict(os.environ, FLOWVM_CHECKPOINT_KEY="s3cret")
     flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--max-steps", 10, "--progress", "none", env=env)
-    assert flowvm.checkpoint.read_header(ckpt)["signed"]
+    assert flowvm.read_header(ckpt)["signed"]
     out = flowvm_cmd("resume", ckpt, "--key", "wrong", "--progress", "none", check=False)
     assert out.returncode == 2 and "signature does not match" in out.stderr
     flowvm_cmd("resume", ckpt, "--progress", "none", env=env)
@@ -218,17 +218,17 @@ def test_a_signed_checkpoint_is_not_read_or_rewritten_without_its_key(tmp_path):
         assert out.returncode != 0 and f"{ckpt} is signed: give its key with --key" in out.stderr, out.stderr
     assert ckpt.read_bytes() == before  # not rewritten unsigned
     flowvm_cmd("resume", ckpt, "--key", "s3cret", "--progress", "none", env=env)
-    header = flowvm.checkpoint.read_header(ckpt)
+    header = flowvm.read_header(ckpt)
     assert header["signed"] and header["done"]  # still signed after the resumed run saved it
 
 
 def test_resume_keeps_saving_as_often_as_the_run_was_told(tmp_path, monkeypatch):
-    from flowvm import cli
+    from flowvm.command import cli
 
     ckpt = tmp_path / "k.ckpt"
     flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--every", 7, "--max-steps", 10,
                "--progress", "none")
-    assert flowvm.checkpoint.read_header(ckpt)["meta"]["every"] == 7
+    assert flowvm.read_header(ckpt)["meta"]["every"] == 7
     seen = []
     real = cli.Runner
 
@@ -287,7 +287,7 @@ def test_the_registers_summary_gives_scalars_their_value_and_survives_odd_values
     import numpy as np
     import torch
 
-    from flowvm.cli import registers_summary
+    from flowvm.command.cli import registers_summary
 
     text = registers_summary({"loss": torch.tensor(0.25), "acc": np.float64(0.5), "cls": np.ndarray,
                               "x": np.zeros((2, 3), dtype=np.float32)})
@@ -375,11 +375,11 @@ def test_a_progress_bar_on_a_terminal():
 
 def test_saving_after_every_step_for_thousands_of_steps(tmp_path):
     from flowvm import CALL, REPEAT
-    from flowvm.runner import Runner
+    from flowvm.command.runner import Runner
 
     drv = REPEAT(1100, CALL(abs, -1)).start()
     assert Runner(drv, [], tmp_path / "r.ckpt", every=1, progress="none").run() == 0
-    assert drv.done and flowvm.checkpoint.read_header(tmp_path / "r.ckpt")["steps"] == 1100
+    assert drv.done and flowvm.read_header(tmp_path / "r.ckpt")["steps"] == 1100
 
 
 def test_a_module_in_the_current_directory_and_a_build_that_returns_no_program(tmp_path):
@@ -403,7 +403,7 @@ def test_a_tampered_signed_checkpoint_runs_no_code_before_its_signature_is_check
     import json
     import struct
 
-    from flowvm.checkpoint import MAGIC
+    from flowvm.persist.checkpoint import MAGIC
 
     ckpt, forged, marker = tmp_path / "signed.ckpt", tmp_path / "forged.ckpt", tmp_path / "EVIL"
     (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef build():\n    pass\n")
@@ -433,7 +433,7 @@ def test_run_refuses_to_replace_an_unfinished_run_and_build_errors_name_the_opti
                                    f"`flowvm resume {ckpt}`, or pass --force" in out.stderr, out.stderr
     assert ckpt.read_bytes() == before
     flowvm_cmd("run", "kmeans", "--set", "samples=300", "--checkpoint", ckpt, "--force", "--progress", "none")
-    assert flowvm.checkpoint.read_header(ckpt)["done"]
+    assert flowvm.read_header(ckpt)["done"]
     flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--progress", "none")  # a finished run is replaced
     out = flowvm_cmd("run", "rbm", "--set", "epochs=-1", check=False)
     assert out.returncode != 0 and "rejected --set epochs=-1: ValueError: rbm: epochs must be >= 1, got -1" in out.stderr

@@ -31,7 +31,7 @@ def wait_for(path: Path, proc: subprocess.Popen, steps: int = 1, timeout: float 
     while True:
         if path.exists():
             try:
-                if flowvm.checkpoint.read_header(path)["steps"] >= steps:
+                if flowvm.read_header(path)["steps"] >= steps:
                     return
             except flowvm.CheckpointError:  # replaced while being read
                 pass
@@ -94,11 +94,11 @@ def test_sigkill_at_a_random_moment_then_resume_gives_the_uninterrupted_register
         time.sleep(rng.uniform(0.0, 0.002))
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)
-        if proc.returncode == -signal.SIGKILL and not flowvm.checkpoint.read_header(ckpt)["done"]:
+        if proc.returncode == -signal.SIGKILL and not flowvm.read_header(ckpt)["done"]:
             break  # else the run got to its end before the kill landed: draw again
     else:
         pytest.fail(f"the run always finished before SIGKILL (seed {seed})")
-    header = flowvm.checkpoint.read_header(ckpt)
+    header = flowvm.read_header(ckpt)
     assert not header["done"] and header["steps"] % every == 0 and target <= header["steps"] < expected["steps"], \
         f"seed {seed}: {header}"
     out = flowvm_cmd("resume", ckpt, "--progress", "none")
@@ -116,7 +116,7 @@ def test_sigint_and_sigterm_save_and_exit_cleanly(sig, tmp_path):
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
-    header = flowvm.checkpoint.read_header(ckpt)
+    header = flowvm.read_header(ckpt)
     name = signal.Signals(sig).name
     assert f"flowvm: stopped by {name} at step {header['steps']}; saved to {ckpt}, continue with " \
            f"`flowvm resume {ckpt}`" in err
@@ -132,7 +132,7 @@ def test_every_seconds_saves_while_the_run_goes_on(tmp_path):
     ckpt = tmp_path / "timed.ckpt"
     proc = start("rbm", ckpt, "--every-seconds", "0.02", options=longer)
     wait_for(ckpt, proc)
-    first = flowvm.checkpoint.read_header(ckpt)
+    first = flowvm.read_header(ckpt)
     assert not first["done"] and 0 < first["steps"] < expected["steps"]  # saved by the clock, mid-run
     proc.communicate(timeout=60)
     assert proc.returncode == 0
@@ -159,13 +159,13 @@ def test_ctrl_c_while_spawned_trials_run_stops_the_whole_group_cleanly(tmp_path)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
-    steps = flowvm.checkpoint.read_header(ckpt)["steps"]
+    steps = flowvm.read_header(ckpt)["steps"]
     # nothing else: no worker's KeyboardInterrupt traceback, no crash message
     assert err.strip() == f"flowvm: stopped by SIGINT at step {steps}; saved to {ckpt}, continue with " \
                           f"`flowvm resume {ckpt}`", err
-    assert not flowvm.checkpoint.read_header(ckpt)["done"]
+    assert not flowvm.read_header(ckpt)["done"]
     out = flowvm_cmd("resume", ckpt, "--progress", "none")
-    assert "best: trial" in out.stdout and flowvm.checkpoint.read_header(ckpt)["done"]
+    assert "best: trial" in out.stdout and flowvm.read_header(ckpt)["done"]
 
 
 def test_ctrl_c_during_the_last_step_lets_the_finished_run_report_success(tmp_path):
@@ -190,4 +190,4 @@ def test_ctrl_c_during_the_last_step_lets_the_finished_run_report_success(tmp_pa
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "stopped" not in err, err
-    assert flowvm.checkpoint.read_header(ckpt)["done"] and "finished after 2 steps" in out
+    assert flowvm.read_header(ckpt)["done"] and "finished after 2 steps" in out

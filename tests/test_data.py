@@ -1,4 +1,4 @@
-"""flowvm.data.Batches: epochs, shuffling, sources, and exact resume mid-epoch."""
+"""flowvm.Batches: epochs, shuffling, sources, and exact resume mid-epoch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 import flowvm
 from flowvm import CALL, REPEAT, SEQ, Registers
-from flowvm.data import Batches, stack_items
+from flowvm.base.data import Batches, stack_items
 from flowvm.testing import assert_same_run, same
 
 

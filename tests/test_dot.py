@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from flowvm import CALL, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Registers, to_dot, to_mermaid
-from flowvm.dot import frame_states, node_id
-from flowvm.paths import format_path, walk
+from flowvm.views.dot import frame_states, node_id
+from flowvm.program.paths import format_path, walk
 
 import progen
 import toy

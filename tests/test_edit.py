@@ -8,7 +8,7 @@ import pytest
 
 import flowvm
 from flowvm import ANY, BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, EditError, Registers
-from flowvm.edit import matches
+from flowvm.editing.edit import matches
 
 
 class Layer:
@@ -317,7 +317,7 @@ def test_an_element_a_driver_is_running_is_not_edited_in_place_under_it():
 
 
 def test_an_element_edited_in_place_changes_the_analysis_of_programs_holding_it():
-    from flowvm.analysis import can_step, info, reads, writes
+    from flowvm.program.analysis import can_step, info, reads, writes
 
     reg = Registers(x=1)
     inner = SEQ([CALL(double, reg("x"), store_to=reg("y"))])

@@ -3,9 +3,9 @@
 from hypothesis import given, settings
 
 from flowvm import BUFFER, CALL, PRINT, REPEAT, SEQ, SWITCH, WHILE, Registers
-from flowvm.analysis import analyze, info, readers, writers
-from flowvm.paths import get, walk
-from flowvm.registers import iter_registers
+from flowvm.program.analysis import analyze, info, readers, writers
+from flowvm.program.paths import get, walk
+from flowvm.program.registers import iter_registers
 
 import progen
 import toy

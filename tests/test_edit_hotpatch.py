@@ -308,7 +308,7 @@ class Remote(Element):
             polls = drv.live.setdefault(id(frame), [2])
             if polls[0]:
                 polls[0] -= 1
-                return flowvm.driver.PENDING
+                return flowvm.machine.driver.PENDING
             del drv.live[id(frame)]
             return self.body.run()
         return leaf

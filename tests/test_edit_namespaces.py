@@ -6,7 +6,7 @@ import pytest
 
 import flowvm
 from flowvm import BUFFER, CALL, PRINT, REPEAT, SEQ, SWITCH, WEAVE, Registers, VerifyError, isolate, template
-from flowvm.namespaces import Scope, collisions
+from flowvm.editing.namespaces import Scope, collisions
 
 import toy
 
@@ -209,8 +209,8 @@ def test_isolate_renames_commands_and_spawned_fragments():
         "            a.y = add(a.x, 1)",
         "            a.z = inc(a.y)",
     ])
-    assert flowvm.analysis.writes(out) == {"a.out", "a.v", "a.y", "a.z"}
-    assert flowvm.analysis.reads(out) == {"tag", "a.x", "a.y"}
+    assert flowvm.program.analysis.writes(out) == {"a.out", "a.v", "a.y", "a.z"}
+    assert flowvm.program.analysis.reads(out) == {"tag", "a.x", "a.y"}
     assert [r.name for r in out.elements[1].own_reads()] == ["a.x"]  # what the fragment needs shipped
     assert out.run() == 4
     assert reg["a.out"].stdout == "hello\n" and (reg["a.y"], reg["a.z"], reg["a.v"]) == (3, 4, 4)
@@ -230,7 +230,7 @@ def test_what_a_template_shares_stays_shared_when_an_enclosing_program_is_isolat
     prog.run()
     assert sorted(reg) == ["b.w", "log", "o.own", "o.x.w"]
     outer_writes_log = SEQ([train("a").isolate("x"), CALL(toy.const, 1, store_to=reg("log"))]).isolate("o")
-    assert "o.log" in flowvm.analysis.writes(outer_writes_log)  # its own write is not the template's to share
+    assert "o.log" in flowvm.program.analysis.writes(outer_writes_log)  # its own write is not the template's to share
 
 
 def test_each_instance_gets_its_own_copy_of_a_value_its_template_register_holds():
@@ -254,7 +254,7 @@ def test_a_template_returning_another_templates_program_keeps_both_shared_names(
 
     inst = isolate(outer(), "a")
     assert inst.scope.shared == frozenset({"log", "extra"}) and inst.scope.namespace == "a"
-    assert sorted(flowvm.analysis.writes(inst)) == ["a.w"]  # log stays shared: appended to, never written
+    assert sorted(flowvm.program.analysis.writes(inst)) == ["a.w"]  # log stays shared: appended to, never written
     assert "list.append(log, 'i')" in str(inst)
     with pytest.raises(TypeError, match="shared register names must be str"):
         isolate(inner(), "b", shared=[3])

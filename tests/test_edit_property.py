@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import flowvm
 from flowvm import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, EditError
-from flowvm.paths import format_path, get, walk
+from flowvm.program.paths import format_path, get, walk
 from flowvm.testing import COPIERS, diff, outcome
 
 import progen
@@ -264,7 +264,7 @@ def test_hooks_patched_into_half_run_drivers(program, data):
 
 
 def progen_registers(program):
-    from flowvm.verify import program_registers
+    from flowvm.program.verify import program_registers
 
     return program_registers(program)
 

@@ -6,12 +6,12 @@ import pickle
 import cloudpickle
 import pytest
 
-from flowvm.edit import EditError
-from flowvm.errors import CheckpointError, FlowError, RegisterError, SwitchError, VerifyError
-from flowvm.errors import SpawnError, SpawnTimeout
+from flowvm.editing.edit import EditError
+from flowvm.base.errors import CheckpointError, FlowError, RegisterError, SwitchError, VerifyError
+from flowvm.base.errors import SpawnError, SpawnTimeout
 from flowvm.passes import PassError, UnknownPassError
-from flowvm.processes import CommandError
-from flowvm.source import SourceError
+from flowvm.processes.leaves import CommandError
+from flowvm.views.source import SourceError
 
 SAMPLES = [
     RegisterError("CALL argument: register 'x' holds no value", "x", "0.1"),

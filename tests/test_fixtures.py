@@ -26,7 +26,7 @@ def one_thread():
 
 
 def test_every_bundled_program_has_a_fixture_of_this_release():
-    from flowvm.cli import bundled_programs
+    from flowvm.command.cli import bundled_programs
 
     mine = {info["program"] for file, info in DIGESTS.items() if info["flowvm"] == flowvm.__version__}
     assert mine == {name for name, _, _ in bundled_programs()}, "run tests/fixtures/make_fixtures.py"
@@ -36,7 +36,7 @@ def test_every_bundled_program_has_a_fixture_of_this_release():
 @pytest.mark.parametrize("file", sorted(DIGESTS))
 def test_a_fixture_loads_and_finishes_bit_for_bit(file, one_thread):
     info = DIGESTS[file]
-    header = flowvm.checkpoint.read_header(FIXTURES / file)
+    header = flowvm.read_header(FIXTURES / file)
     assert header["flowvm"] == info["flowvm"] and header["steps"] == info["saved_at_step"]
     drv = flowvm.load(FIXTURES / file)
     drv.run()
@@ -53,7 +53,7 @@ def _private(module: str, name: str) -> bool:
 
 @pytest.mark.parametrize("file", sorted(f for f, i in DIGESTS.items() if i["flowvm"] == flowvm.__version__))
 def test_a_fixture_of_this_release_names_only_stable_public_names(file):
-    named = [r for r in flowvm.checkpoint.references(FIXTURES / file) if r[0].split(".")[0] == "flowvm"]
+    named = [r for r in flowvm.persist.checkpoint.references(FIXTURES / file) if r[0].split(".")[0] == "flowvm"]
     assert named, "the reference scan found nothing"
     private = [f"{m}.{n}" for m, n in named if _private(m, n)]
     assert not private, f"{file} names flowvm objects by module paths that may move: {private}"
@@ -61,7 +61,7 @@ def test_a_fixture_of_this_release_names_only_stable_public_names(file):
 
 @pytest.mark.parametrize("file", sorted(f for f, i in DIGESTS.items() if i["flowvm"] != flowvm.__version__))
 def test_an_older_fixture_names_only_what_the_legacy_table_maps(file):
-    named = [r for r in flowvm.checkpoint.references(FIXTURES / file) if r[0].split(".")[0] == "flowvm"]
+    named = [r for r in flowvm.persist.checkpoint.references(FIXTURES / file) if r[0].split(".")[0] == "flowvm"]
     unmapped = [f"{m}.{n}" for m, n in named
                 if _private(m, n) and (m, n.partition(".")[0]) not in LEGACY_NAMES]
     assert not unmapped, f"{file} names {unmapped}, which flowvm.pickled.LEGACY_NAMES does not map"
@@ -69,7 +69,7 @@ def test_an_older_fixture_names_only_what_the_legacy_table_maps(file):
 
 def test_the_reference_scan_sees_a_private_name(tmp_path):
     from flowvm import CALL, Registers
-    from flowvm.checkpoint import references
+    from flowvm.persist.checkpoint import references
 
     reg = Registers(x=1)
     drv = CALL(flowvm.testing._feed, None, reg("x")).start()

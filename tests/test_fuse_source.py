@@ -3,9 +3,9 @@
 import torch
 
 from flowvm import CALL, REPEAT, SEQ, Registers
-from flowvm.namespaces import isolate
+from flowvm.editing.namespaces import isolate
 from flowvm.passes import optimize
-from flowvm.source import from_source, to_source
+from flowvm.views.source import from_source, to_source
 
 F = torch.nn.functional
 

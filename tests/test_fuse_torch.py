@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import flowvm
 from flowvm import CALL, LOOP, REPEAT, SEQ, WEAVE, WHILE, Registers
-from flowvm.analysis import reads, writes
-from flowvm.paths import walk
+from flowvm.program.analysis import reads, writes
+from flowvm.program.paths import walk
 from flowvm.passes import optimize
 from flowvm.passes.fuse_torch import FUSED, FusionWarning, fusable, fuse_torch, is_fusable, set_form
 from flowvm.testing import same

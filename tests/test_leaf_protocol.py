@@ -3,8 +3,8 @@
 import pickle
 
 from flowvm import CALL, REPEAT, WEAVE, Registers
-from flowvm.driver import INCOMPLETE, PENDING
-from flowvm.elements import Element
+from flowvm.machine.driver import INCOMPLETE, PENDING
+from flowvm.program.elements import Element
 
 
 class Countdown(Element):

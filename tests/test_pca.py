@@ -77,7 +77,7 @@ def test_checkpoint_in_fresh_process_via_cli(tmp_path):
     common = [sys.executable, "-m", "flowvm"]
     subprocess.run(common + ["run", "pca", "--set", "batches=2", "--set", "samples=300", "--checkpoint", str(ckpt),
                              "--max-steps", "457"], check=True, capture_output=True)
-    assert flowvm.checkpoint.read_header(ckpt)["steps"] == 457
+    assert flowvm.read_header(ckpt)["steps"] == 457
     subprocess.run(common + ["resume", str(ckpt)], check=True, capture_output=True)
     resumed = flowvm.load(ckpt)
     straight = pca.build(batches=2, samples=300).start()

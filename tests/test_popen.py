@@ -266,7 +266,7 @@ def test_a_copy_made_while_the_command_runs_launches_it_again(tmp_path):
     drv = prog.start()
     drv.run(max_steps=2)
     assert drv.live  # in flight
-    for copy in (pickle.loads(pickle.dumps(drv)), flowvm.checkpoint.loads(flowvm.checkpoint.dumps(drv))):
+    for copy in (pickle.loads(pickle.dumps(drv)), flowvm.persist.checkpoint.loads(flowvm.persist.checkpoint.dumps(drv))):
         assert copy.live == {}
         assert copy.run() == 100 and copy.registers["after"] == 100
     assert drv.run() == 100

@@ -81,7 +81,7 @@ def test_names_of_callables():
     import numpy as np
     import torch
 
-    from flowvm.printer import fn_name
+    from flowvm.program.printer import fn_name
 
     class Source:
         def next(self):
@@ -107,7 +107,7 @@ def test_names_of_callables():
 
 
 def test_a_container_holding_itself_prints_and_long_ones_are_cut():
-    from flowvm.printer import fmt
+    from flowvm.program.printer import fmt
 
     loop = [1, 2]
     loop.append(loop)

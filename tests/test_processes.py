@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from flowvm import CALL, POPEN, REPEAT, SEQ, SPAWN, WEAVE, Registers, VerifyError
-from flowvm.analysis import reads, writes
-from flowvm.driver import has_weave
+from flowvm.program.analysis import reads, writes
+from flowvm.machine.driver import has_weave
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -112,7 +112,7 @@ def test_a_command_round_trips_through_python_source():
     el = prog.elements[1]
     assert el.__flowvm_source__() == (POPEN, (["echo", reg("y")],),
                                       {"store_to": reg("rc"), "check": True, "capture": True, "timeout": 30.0})
-    from flowvm.source import from_source, to_source
+    from flowvm.views.source import from_source, to_source
 
     again = from_source(to_source(prog))
     assert str(again) == str(prog) and again.run().stdout == "4\n"

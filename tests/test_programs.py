@@ -183,7 +183,7 @@ def test_rbm_one_call_is_one_cd1_update_by_the_textbook_formula():
 def test_rbm_has_one_call_per_cd1_update():
     drv = rbm.build(samples=100, epochs=3, batch_size=10).start()
     drv.run()
-    cd1 = [el for _, el in flowvm.paths.walk(drv.program) if isinstance(el, flowvm.CALL) and el.fn.__name__ == "cd1"]
+    cd1 = [el for _, el in flowvm.program.paths.walk(drv.program) if isinstance(el, flowvm.CALL) and el.fn.__name__ == "cd1"]
     assert len(cd1) == 1
     assert cd1[0].fn.__self__.updates == 30  # 3 epochs of 10 batches, counted by the machine itself
     assert drv.steps == 2 + 3 * (10 * 2 + 2) + 1

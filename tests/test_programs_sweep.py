@@ -9,7 +9,7 @@ import torch
 
 import flowvm
 from flowvm import INCOMPLETE, SPAWN
-from flowvm.paths import walk
+from flowvm.program.paths import walk
 from flowvm.programs import mlp, sweep
 from flowvm.testing import same
 
@@ -22,7 +22,7 @@ SMALL = dict(trials=2, epochs=2, samples=600, seed=3)
 def free_the_workers():
     """The trials' workers hold torch; let them go after this module."""
     yield
-    from flowvm.executors import shutdown_default_executor
+    from flowvm.processes.executors import shutdown_default_executor
 
     shutdown_default_executor()
 

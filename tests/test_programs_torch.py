@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flowvm import WEAVE
-from flowvm.paths import walk
+from flowvm.program.paths import walk
 from flowvm.programs import lbfgs, mlp
 from flowvm.testing import assert_same_run
 

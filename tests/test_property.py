@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flowvm
-from flowvm.elements import ELEMENT_KINDS
-from flowvm.paths import walk
+from flowvm.program.elements import ELEMENT_KINDS
+from flowvm.program.paths import walk
 from flowvm.testing import assert_same_run, diff, outcome
 
 import progen

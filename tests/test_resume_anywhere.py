@@ -20,8 +20,9 @@ import torch
 import flowvm
 import resume_programs as rp
 from flowvm import CALL, REPEAT, CheckpointError, Registers
-from flowvm import checkpoint as ckpt
-from flowvm.environment import SettingsWarning, capture_random
+from flowvm.persist import checkpoint as ckpt
+from flowvm import SettingsWarning
+from flowvm.base.environment import capture_random
 from flowvm.testing import COPIERS, assert_same_run, diff, outcome
 
 HERE = os.path.dirname(os.path.abspath(__file__))

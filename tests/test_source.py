@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 
 from flowvm import (CALL, PRINT, REPEAT, SEQ, SWITCH, WEAVE, Depends, Registers, SourceError, from_source,
                     isolate, to_source)
-from flowvm.paths import walk
+from flowvm.program.paths import walk
 from flowvm.testing import diff, outcome, same
 
 import progen

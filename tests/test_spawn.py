@@ -14,9 +14,9 @@ import pytest
 
 import flowvm
 from flowvm import (CALL, INCOMPLETE, LOOP, REPEAT, SEQ, SPAWN, SWITCH, WEAVE, Registers, SpawnError, VerifyError)
-from flowvm.analysis import reads, writes
-from flowvm.processes import default_executor, register_executor, shutdown_default_executor
-from flowvm.processes import SpawnTimeout
+from flowvm.program.analysis import reads, writes
+from flowvm.processes.leaves import default_executor, register_executor, shutdown_default_executor
+from flowvm.processes.leaves import SpawnTimeout
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -335,7 +335,7 @@ def test_timeout_bounds_the_fragments_run_time_not_its_wait_for_a_worker():
 
 
 def test_on_the_default_pool_a_timeout_counts_from_the_fragments_start_in_a_worker():
-    from flowvm.executors import default_workers
+    from flowvm.processes.executors import default_workers
 
     busy = [SPAWN(CALL(time.sleep, 2.5)) for _ in range(default_workers())]  # every worker taken
     queued = SPAWN(REPEAT(5, CALL(time.sleep, 0.05)), timeout=0.5)  # waits 2.5 s, then runs 0.25 s
@@ -351,7 +351,7 @@ def sleep_the_first_time(marker):
 
 
 def test_fragments_queued_behind_abandoned_ones_move_to_the_fresh_pool(tmp_path):
-    from flowvm.executors import default_workers
+    from flowvm.processes.executors import default_workers
 
     reg = Registers()
     stuck = [SPAWN(CALL(sleep_the_first_time, str(tmp_path / str(i))), timeout=0.3) for i in range(default_workers())]
@@ -378,7 +378,7 @@ def test_fragments_that_timed_out_on_the_default_pool_do_not_block_later_spawns(
 
 
 def test_a_retired_pool_is_killed_as_soon_as_its_work_that_was_not_abandoned_is_done(monkeypatch):
-    from flowvm import executors
+    from flowvm.processes import executors
 
     pool = cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver"))
     monkeypatch.setattr(executors, "_pool", pool)
@@ -398,7 +398,7 @@ def test_a_retired_pool_is_killed_as_soon_as_its_work_that_was_not_abandoned_is_
 
 
 def test_a_retired_pool_looks_again_once_per_finished_task(monkeypatch):
-    from flowvm import executors
+    from flowvm.processes import executors
 
     pool = cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver"))
     monkeypatch.setattr(executors, "_pool", pool)
@@ -424,7 +424,7 @@ def test_a_copy_made_in_flight_submits_the_fragment_again(tmp_path):
     prog = SEQ([SPAWN(CALL(append_line, reg("path"), store_to=reg("n"))), CALL(add, reg("n"), 1, store_to=reg("m"))])
     drv = prog.start()
     drv.step()
-    copies = [pickle.loads(pickle.dumps(drv)), flowvm.checkpoint.loads(flowvm.checkpoint.dumps(drv))]
+    copies = [pickle.loads(pickle.dumps(drv)), flowvm.persist.checkpoint.loads(flowvm.persist.checkpoint.dumps(drv))]
     for copy in copies:
         assert copy.live == {}
         assert copy.run() == 2 and copy.registers["m"] == 2
@@ -490,7 +490,7 @@ def test_named_executors_and_missing_ones():
 
 def test_the_default_pool_is_shared_created_lazily_and_can_be_shut_down():
     shutdown_default_executor()
-    from flowvm import executors
+    from flowvm.processes import executors
 
     assert executors._pool is None
     reg = Registers(a=1)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from flowvm import CALL, INCOMPLETE, SEQ, SPAWN, WEAVE, Registers, SpawnError
-from flowvm.processes import register_executor
+from flowvm import register_executor
 
 distributed = pytest.importorskip("distributed", reason="the Dask engine needs pip install flowvm[dask]")
 dask = pytest.importorskip("dask")

@@ -25,7 +25,8 @@ import urllib.request
 import pytest
 
 import flowvm
-from flowvm import remote, storage
+from flowvm.persist import remote
+from flowvm.persist import storage
 from flowvm.programs import pca
 from flowvm.testing import diff, outcome
 
@@ -129,13 +130,13 @@ def test_save_and_load_round_trip_through_s3(s3):
     bucket, fs = s3
     url = f"s3://{bucket}/runs/pca.ckpt"
     assert flowvm.save(half_run_pca(), url, meta={"node": "a"}) == url
-    header = flowvm.checkpoint.read_header(url)
+    header = flowvm.read_header(url)
     assert header["steps"] == 7 and header["meta"] == {"node": "a"}
-    assert fs.cat_file(f"{bucket}/runs/pca.ckpt")[:8] == flowvm.checkpoint.MAGIC
+    assert fs.cat_file(f"{bucket}/runs/pca.ckpt")[:8] == flowvm.persist.checkpoint.MAGIC
     assert not diff(straight_pca(), finish(flowvm.load(url)))
     # saving again replaces the object; a signed one needs its key
     flowvm.save(half_run_pca(11), url, key="k")
-    assert flowvm.checkpoint.read_header(url, key="k")["steps"] == 11
+    assert flowvm.read_header(url, key="k")["steps"] == 11
     with pytest.raises(flowvm.CheckpointError, match="signed"):
         flowvm.load(url)
 
@@ -143,7 +144,7 @@ def test_save_and_load_round_trip_through_s3(s3):
 def test_save_and_load_round_trip_through_memory():
     url = f"memory://flowvm-tests/{os.getpid()}/pca.ckpt"
     assert flowvm.save(half_run_pca(), url) == url
-    assert storage.read_start(url, 8) == flowvm.checkpoint.MAGIC
+    assert storage.read_start(url, 8) == flowvm.persist.checkpoint.MAGIC
     assert not diff(straight_pca(), finish(flowvm.load(url)))
 
 
@@ -160,7 +161,7 @@ def test_missing_objects_buckets_and_credentials_are_named(s3, monkeypatch):
     with pytest.raises(flowvm.CheckpointError, match=f"checkpoint '{url}': no such object"):
         flowvm.load(url)
     with pytest.raises(flowvm.CheckpointError, match="checkpoint 's3://no-such-bucket-xyz/a.ckpt': no such bucket"):
-        flowvm.checkpoint.read_header("s3://no-such-bucket-xyz/a.ckpt")
+        flowvm.read_header("s3://no-such-bucket-xyz/a.ckpt")
     with pytest.raises(flowvm.CheckpointError, match="'s3://no-such-bucket-xyz/a.ckpt': cannot save: no such bucket"):
         flowvm.save(half_run_pca(), "s3://no-such-bucket-xyz/a.ckpt")
     with pytest.raises(flowvm.CheckpointError, match=f"'s3://{bucket}/': names a bucket or a directory"):
@@ -185,7 +186,7 @@ def test_a_url_without_fsspec_says_what_to_install(monkeypatch, tmp_path):
     with pytest.raises(flowvm.CheckpointError, match=r"pip install 'flowvm\[s3\]'"):
         flowvm.save(half_run_pca(), "s3://bucket/run.ckpt")
     flowvm.save(half_run_pca(), tmp_path / "local.ckpt")  # local paths never need it
-    assert flowvm.checkpoint.read_header(tmp_path / "local.ckpt")["steps"] == 7
+    assert flowvm.read_header(tmp_path / "local.ckpt")["steps"] == 7
 
 
 def test_a_url_without_its_filesystem_package_says_what_to_install():
@@ -350,7 +351,7 @@ def test_sigkill_during_s3_uploads_never_leaves_a_partial_checkpoint(s3, tmp_pat
         """Read the object over and over while runs write it: it is absent or whole, never partial."""
         while not stop_reading.is_set():
             try:
-                flowvm.checkpoint.read_header(url)
+                flowvm.read_header(url)
                 seen_reads["whole"] += 1
             except flowvm.CheckpointError as err:
                 if err.reason != "no such object":
@@ -389,7 +390,7 @@ def test_sigkill_during_s3_uploads_never_leaves_a_partial_checkpoint(s3, tmp_pat
             mid_upload += bool(uploading & pending)  # killed before the upload it was doing completed
             orphans |= pending
             if fs.exists(f"{bucket}/{key}"):  # whole and loadable, never partial
-                header = flowvm.checkpoint.read_header(url)
+                header = flowvm.read_header(url)
                 assert header["steps"] % 300 == 0 and not header["done"]
                 assert flowvm.load(url, restore_random=False).steps == header["steps"]
         assert mid_upload >= 1, "no SIGKILL landed during an upload"

@@ -155,5 +155,5 @@ def test_a_run_with_an_lr_scheduler_saves_and_resumes_and_dropped_hooks_are_warn
 
     hooked = torch.nn.Linear(2, 1)
     hooked.weight.register_hook(lambda g: g * 0)
-    with pytest.warns(flowvm.checkpoint.CopyWarning, match="gradient hooks registered on a tensor"):
+    with pytest.warns(flowvm.persist.checkpoint.CopyWarning, match="gradient hooks registered on a tensor"):
         pickle.dumps(CALL(hooked).start())

@@ -7,35 +7,40 @@
 '6'
 """
 
-from .checkpoint import load, save
-from .driver import Driver
-from .sentinels import INCOMPLETE, PENDING
-from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, Leaf
-from .errors import (CheckpointError, CommandError, EditError, FlowError, PassError, RegisterError, SourceError,
-                     SpawnError, SpawnTimeout, SwitchError, UnknownPassError, VerifyError)
-from .registers import Register, Registers
-from .verify import verify
-from .depends import Depends
-from .edit import ANY
-from . import hotpatch as _hotpatch  # noqa: F401  (provides the edits of half-run drivers)
-from .namespaces import isolate, template
-from .dot import to_dot, to_mermaid
-from .source import from_source, to_source
+from .persist.checkpoint import load, read_header, save
+from .machine.driver import Driver
+from .base.sentinels import INCOMPLETE, PENDING
+from .program.elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, Leaf
+from .base.errors import (CheckpointError, CommandError, EditError, FlowError, PassError, RegisterError, SourceError,
+                          SpawnError, SpawnTimeout, SwitchError, UnknownPassError, VerifyError,
+                          CopyWarning, FusionWarning, SettingsWarning)
+from .program.registers import Register, Registers
+from .program.verify import verify
+from .machine.depends import Depends
+from .editing.edit import ANY
+from .editing import hotpatch as _hotpatch  # noqa: F401  (provides the edits of half-run drivers)
+from .editing.namespaces import isolate, template
+from .views.dot import to_dot, to_mermaid
+from .views.source import from_source, to_source
 from .passes import list_passes, optimize, register_pass
 from .fused import FUSED, fusable
-from .processes import POPEN, SPAWN
-from .data import Batches
-from . import analysis, checkpoint, testing  # noqa: F401,E402  (flowvm.testing.assert_same_run after import flowvm)
+from .processes.leaves import POPEN, SPAWN
+from .processes.executors import register_executor
+from .base.data import Batches
+from .program import analysis
+from .persist import checkpoint
+from . import testing  # noqa: F401,E402  (flowvm.testing.assert_same_run after import flowvm)
 
-from .version import __version__
+from .base.version import __version__
 
 __all__ = [
     "BUFFER", "CALL", "LOOP", "PRINT", "REPEAT", "SEQ", "SWITCH", "WEAVE", "WHILE", "Element",
     "Leaf", "Register", "Registers", "INCOMPLETE", "PENDING", "Driver",
-    "verify", "save", "load",
+    "verify", "save", "load", "read_header",
     "FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError",
     "optimize", "list_passes", "register_pass", "PassError", "UnknownPassError", "FUSED", "fusable",
-    "POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout",
+    "POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout", "register_executor",
+    "CopyWarning", "FusionWarning", "SettingsWarning",
     "Batches",
     "Depends", "ANY", "EditError", "isolate", "template", "to_dot", "to_mermaid",
     "to_source", "from_source", "SourceError",

@@ -56,41 +56,41 @@ STABLE_MODULES = ("flowvm", "flowvm.pickled")
 # public name -> "module:attribute" where it is defined now
 _PUBLIC = {
     name: f"flowvm.{where}:{name}" for where, names in {
-        "elements": ("Element", "CALL", "PRINT", "SEQ", "REPEAT", "LOOP", "WHILE", "SWITCH", "WEAVE", "BUFFER"),
-        "registers": ("Register", "Registers"),
-        "driver": ("Driver",),
-        "processes": ("POPEN", "SPAWN"),
+        "program.elements": ("Element", "CALL", "PRINT", "SEQ", "REPEAT", "LOOP", "WHILE", "SWITCH", "WEAVE", "BUFFER"),
+        "program.registers": ("Register", "Registers"),
+        "machine.driver": ("Driver",),
+        "processes.leaves": ("POPEN", "SPAWN"),
         "fused.element": ("FUSED",),
-        "data": ("Batches",),
-        "depends": ("Depends",),
-        "errors": ("FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError", "CommandError",
+        "base.data": ("Batches",),
+        "machine.depends": ("Depends",),
+        "base.errors": ("FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError", "CommandError",
                    "SpawnError", "SpawnTimeout", "EditError", "SourceError", "PassError", "UnknownPassError"),
     }.items() for name in names
 }
 _HELPERS = {
-    "rebuild_driver": "flowvm.pickler:rebuild_driver",
-    "load_driver_bytes": "flowvm.pickler:load_driver_bytes",
-    "with_grad": "flowvm.pickler:with_grad",
-    "set_lbfgs_state": "flowvm.pickler:set_lbfgs_state",
-    "global_generator": "flowvm.pickler:global_generator",
-    "rebuild_storage": "flowvm.pickler:rebuild_storage",
-    "rebuild_typed_storage": "flowvm.pickler:rebuild_typed_storage",
-    "sentinel": "flowvm.sentinels:sentinel",
-    "rebuild_error": "flowvm.errors:rebuild_error",
-    "make_depends": "flowvm.depends:make_depends",
-    "Scope": "flowvm.namespaces:Scope",
-    "DependsCALL": "flowvm.depends:DependsCALL",
+    "rebuild_driver": "flowvm.persist.pickler:rebuild_driver",
+    "load_driver_bytes": "flowvm.persist.pickler:load_driver_bytes",
+    "with_grad": "flowvm.persist.pickler:with_grad",
+    "set_lbfgs_state": "flowvm.persist.pickler:set_lbfgs_state",
+    "global_generator": "flowvm.persist.pickler:global_generator",
+    "rebuild_storage": "flowvm.persist.pickler:rebuild_storage",
+    "rebuild_typed_storage": "flowvm.persist.pickler:rebuild_typed_storage",
+    "sentinel": "flowvm.base.sentinels:sentinel",
+    "rebuild_error": "flowvm.base.errors:rebuild_error",
+    "make_depends": "flowvm.machine.depends:make_depends",
+    "Scope": "flowvm.editing.namespaces:Scope",
+    "DependsCALL": "flowvm.machine.depends:DependsCALL",
     "FuseSettings": "flowvm.fused.element:FuseSettings",
-    "ExecutorRef": "flowvm.executors:ExecutorRef",
+    "ExecutorRef": "flowvm.processes.executors:ExecutorRef",
 }
 
 
 # names found here that are not published (objects that pickle by name, not by __module__)
 _ALIASES = {
-    "NOVALUE": "flowvm.sentinels:NOVALUE",
-    "PUSHED": "flowvm.sentinels:PUSHED",
-    "PENDING": "flowvm.sentinels:PENDING",
-    "INCOMPLETE": "flowvm.sentinels:INCOMPLETE",
+    "NOVALUE": "flowvm.base.sentinels:NOVALUE",
+    "PUSHED": "flowvm.base.sentinels:PUSHED",
+    "PENDING": "flowvm.base.sentinels:PENDING",
+    "INCOMPLETE": "flowvm.base.sentinels:INCOMPLETE",
 }
 
 

@@ -15,11 +15,11 @@ from typing import Any, Callable, Iterable
 
 import cloudpickle
 
-from .checkpoint import dumps as checkpoint_dumps
-from .checkpoint import loads as checkpoint_loads
-from .driver import Driver
-from .elements import Element
-from .environment import apply_random, capture_random
+from .persist.checkpoint import dumps as checkpoint_dumps
+from .persist.checkpoint import loads as checkpoint_loads
+from .machine.driver import Driver
+from .program.elements import Element
+from .base.environment import apply_random, capture_random
 
 COPIERS: dict[str, Callable[[Driver], Driver]] = {
     "pickle": lambda d: pickle.loads(pickle.dumps(d)),
@@ -88,7 +88,7 @@ def assert_same_run(build: Callable[[], Element], cuts: Iterable[int] | None = N
     """
     program = build()
     if steps is None:
-        from .paths import walk
+        from .program.paths import walk
 
         steps = not any(el.polls for _, el in walk(program))
     reference = program.start()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-from ..registers import Register
+from ..program.registers import Register
 
 
 def generate(el) -> "Generated":
@@ -93,7 +93,7 @@ def is_barrier(fn: Any) -> bool:
 
 
 def _reads_writes(calls) -> tuple[list[str], list[str]]:
-    from ..registers import iter_registers
+    from ..program.registers import iter_registers
 
     reads: list[str] = []
     written: list[str] = []
@@ -131,7 +131,7 @@ def _src(value: Any, name: str, ns: dict, var: dict) -> str:
 
 
 def _has_register(value: Any) -> bool:
-    from ..registers import has_registers
+    from ..program.registers import has_registers
 
     return has_registers(value)
 

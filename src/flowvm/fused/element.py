@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 
 from ..pickled import stable
-from ..elements import CALL, SEQ, Element
-from ..registers import Register, iter_registers
+from ..program.elements import CALL, SEQ, Element
+from ..program.registers import Register, iter_registers
 from .runtime import Runtime
 
 FORMS = ("auto", "compiled", "eager")
@@ -219,7 +219,7 @@ class FUSED(Element):
         return f"FUSED {len(self.calls)} calls, torch.compile({s.backend_name}): {status}:"
 
     def detail_lines(self) -> list[str]:
-        from ..printer import call_text
+        from ..program.printer import call_text
 
         return [f"{call_text(c)}  # was {o or '<root>'}" for c, o in zip(self.calls, self.origins)]
 

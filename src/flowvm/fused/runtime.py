@@ -42,7 +42,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 
-from ..errors import FusionWarning
+from ..base.errors import FusionWarning
 from .codegen import generate, leaf_source
 from .compiler import _compiler_ready, _direct_caller, _direct_compile, _inductor_after_tracing, _modules, _submit
 
@@ -113,7 +113,7 @@ class Runtime:
             tb = tb.tb_next
         if index is None:
             return
-        from ..printer import call_text
+        from ..program.printer import call_text
 
         call = self.el.calls[index]
         origin = self.el.origins[index]
@@ -183,7 +183,7 @@ class Runtime:
         self.state, self.current = "failed", self.eager
         reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         self.decision = f"eager, compile failed ({reason[:100]})"
-        from ..printer import call_text
+        from ..program.printer import call_text
 
         calls = "; ".join(call_text(c) for c in self.el.calls)
         warnings.warn(FusionWarning(f"flowvm: torch.compile failed for the fused step [{calls[:200]}]; it runs "

@@ -29,7 +29,7 @@ SEQ:
 
 from .registry import (DEFAULT_PIPELINE, Pass, PassContext, current_context, get_pass, list_passes,  # noqa: F401
                        optimize, register_pass, unregister_pass)
-from ..errors import PassError, UnknownPassError  # noqa: F401
+from ..base.errors import PassError, UnknownPassError  # noqa: F401
 
 # the passes register themselves when imported
 from . import flatten as _flatten  # noqa: E402,F401

@@ -38,8 +38,8 @@ import numbers
 import types
 from typing import Any, Callable
 
-from ..elements import BUFFER, CALL, Element
-from ..registers import Register
+from ..program.elements import BUFFER, CALL, Element
+from ..program.registers import Register
 from .registry import register_pass
 from .rewrite import rewrite, under_weave
 

@@ -22,7 +22,7 @@ SEQ:
 
 from __future__ import annotations
 
-from ..elements import SEQ, Element
+from ..program.elements import SEQ, Element
 from .registry import register_pass
 from .rewrite import rebuild, rewrite
 

@@ -37,11 +37,11 @@ import copy
 import sys
 from typing import Any, Iterable, Mapping
 
-from ..elements import CALL, SEQ, Element
-from ..errors import FusionWarning
+from ..program.elements import CALL, SEQ, Element
+from ..base.errors import FusionWarning
 from ..fused.codegen import is_barrier
 from ..fused.element import _MARK, FORMS, FUSED, FuseSettings, fusable, fused_step, is_fusable
-from ..paths import format_path
+from ..program.paths import format_path
 from .registry import current_context, register_pass
 from .rewrite import rebuild, rewrite, under_weave
 
@@ -86,7 +86,7 @@ def _fuse_seq(el: SEQ, path: tuple[int, ...], settings: FuseSettings, ctx) -> El
         if len(run) >= 2:
             origins = [ctx.origin(c, path + (i,)) if ctx else format_path(path + (i,)) for i, c in run]
             # copies: the fused step is compiled from these calls, so a later in-place edit of the
-            # original CALL objects (flowvm.edit) must not change them under it
+            # original CALL objects (flowvm.editing.edit) must not change them under it
             out.append(FUSED([copy.copy(c) for _, c in run], origins, settings))
         else:
             out.extend(c for _, c in run)
@@ -131,6 +131,6 @@ def fuse_torch(program: Element, *, backend: Any = "inductor", mode: str | None 
 
 
 def _any_marked(program: Element) -> bool:
-    from ..paths import walk
+    from ..program.paths import walk
 
     return any(type(el) is CALL and getattr(el.fn, _MARK, False) for _, el in walk(program))

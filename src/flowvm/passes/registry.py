@@ -9,8 +9,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from ..elements import Element
-from ..errors import PassError, UnknownPassError, VerifyError
+from ..program.elements import Element
+from ..base.errors import PassError, UnknownPassError, VerifyError
 
 __all__ = [
     "Pass", "PassError", "PassContext", "optimize", "register_pass", "unregister_pass", "get_pass",
@@ -53,7 +53,7 @@ class PassContext:
     _paths: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        from ..paths import walk
+        from ..program.paths import walk
 
         seen: dict[int, list] = {}
         for path, el in walk(self.original):
@@ -61,7 +61,7 @@ class PassContext:
         self._paths = seen
 
     def origin(self, el: Element, path: tuple[int, ...]) -> str:
-        from ..paths import format_path
+        from ..program.paths import format_path
 
         found = self._paths.get(id(el)) or [path]
         return " or ".join(format_path(p) or "<root>" for p in found)
@@ -221,7 +221,7 @@ def _check_options(p: Pass, options: Mapping[str, Any]) -> None:
 
 
 def _verify(program: Element, name: str, what: str) -> None:
-    from ..verify import verify
+    from ..program.verify import verify
 
     try:
         verify(program)

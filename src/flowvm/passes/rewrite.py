@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..elements import Element
+from ..program.elements import Element
 
 
 def rebuild(el: Element, children) -> Element:
-    """el over new children, keeping its namespace mark and dependency_overrides (see flowvm.edit)."""
-    from ..edit import rebuild
+    """el over new children, keeping its namespace mark and dependency_overrides (see flowvm.editing.edit)."""
+    from ..editing.edit import rebuild
 
     return rebuild(el, children)
 
@@ -26,8 +26,8 @@ Visit = Callable[[Element, tuple[int, ...]], Element]
 def under_weave(program: Element) -> set[tuple[int, ...]]:
     """Paths of the elements inside a WEAVE, whose schedule counts steps: a pass that changes how many
     steps a part takes leaves these alone."""
-    from ..elements import WEAVE
-    from ..paths import walk
+    from ..program.elements import WEAVE
+    from ..program.paths import walk
 
     inside: set[tuple[int, ...]] = set()
     for path, el in walk(program):

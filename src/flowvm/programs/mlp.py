@@ -1,7 +1,7 @@
 """An MLP classifier trained with Adam or SGD, with evaluation and logging woven in.
 
 Training is a REPEAT over epochs of minibatch updates drawn from a resumable
-``flowvm.data.Batches`` source.  A WEAVE runs it side by side with two LOOPs,
+``flowvm.Batches`` source.  A WEAVE runs it side by side with two LOOPs,
 one evaluating on held-out data and one appending to the log, at relative
 rates set by the WEAVE's weights; it ends when training does.  Every update
 (forward, backward, optimizer step) is one CALL, so any step boundary is a
@@ -21,7 +21,7 @@ import torch
 
 from flowvm import CALL, LOOP, REPEAT, SEQ, WEAVE, Registers
 from flowvm.programs import check_options
-from flowvm.data import Batches
+from flowvm import Batches
 
 SHOW = ["epoch", "loss", "accuracy"]
 THREADS = 1  # this small model runs far faster on one torch thread than on several; build() declares it

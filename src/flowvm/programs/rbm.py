@@ -4,7 +4,7 @@ The data are "bars and stripes": binary images of `side` x `side` pixels in
 which every row (or every column) is all on or all off, with a few pixels
 flipped.  After each epoch the program measures the mean-field
 reconstruction error on all the data, which falls as the machine learns.
-Minibatches come from a resumable ``flowvm.data.Batches`` source and the
+Minibatches come from a resumable ``flowvm.Batches`` source and the
 Gibbs samples from the machine's own generator, so a run stopped between
 any two updates resumes exactly.
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from flowvm import CALL, REPEAT, SEQ, Registers
 from flowvm.programs import check_options
-from flowvm.data import Batches
+from flowvm import Batches
 
 SHOW = ["epoch", "batch_error", "error"]
 

@@ -4,7 +4,7 @@ The build draws `trials` configurations (optimizer, learning rate on a log
 scale, hidden width) from a seeded generator into registers ``config_0``,
 ``config_1``, ...  A WEAVE of SPAWNs runs every trial in a worker process
 at the same time (the default pool has one worker per core; pass the name
-of an executor registered with ``flowvm.processes.register_executor`` to
+of an executor registered with ``flowvm.register_executor`` to
 use another, a Dask cluster for example).  Each trial trains the ``mlp``
 program to the end and sends back its held-out accuracy, final loss and
 weights; a last CALL keeps the best.  A run saved while trials are in

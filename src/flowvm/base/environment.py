@@ -1,0 +1,234 @@
+"""What a run needs from its process beyond its own state: the global random generators and the settings
+that change results.  Both are captured as plain data (ints, strings, bytes), so that a copy of a run
+loads where the libraries that wrote them are missing (a numpy-only run saved beside torch loads without
+torch), and checked before anything is set.
+
+The rule every copy of a driver follows (pickle, cloudpickle, deepcopy, checkpoint): the copy carries the
+states of the global generators and the settings of the moment it was made, and sets them when it takes
+its first step.  The original never touches them.  ``Driver.resume_with`` chooses what a copy sets.
+
+Global generators: ``random``'s, numpy's legacy global ``RandomState`` (``np.random.rand`` and friends),
+torch's CPU generator (``torch.manual_seed``) and, when CUDA is initialized, every CUDA device's.
+
+Settings (only those of libraries the process has imported), by name:
+
+=================================  ===========================================================
+``torch.threads``                  ``torch.get_num_threads()`` (intra-op threads)
+``torch.deterministic``            ``torch.are_deterministic_algorithms_enabled()``
+``torch.deterministic_warn_only``  ``torch.is_deterministic_algorithms_warn_only_enabled()``
+``torch.float32_matmul_precision`` ``torch.get_float32_matmul_precision()``
+``torch.default_dtype``            ``torch.get_default_dtype()``, as its name (``"float32"``)
+``torch.cudnn.*``                  cuDNN's ``enabled``, ``benchmark``, ``deterministic``,
+                                   ``allow_tf32`` (when CUDA is initialized)
+``torch.cuda.matmul.allow_tf32``   (when CUDA is initialized)
+=================================  ===========================================================
+
+>>> from flowvm.base.environment import capture_random, check_random
+>>> state = capture_random()
+>>> check_random(state) == state
+True
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import warnings
+from typing import Any
+
+from .errors import CheckpointError, SettingsWarning
+
+__all__ = ["capture_random", "check_random", "apply_random", "capture_settings", "check_settings",
+           "apply_settings", "SETTINGS", "SettingsWarning"]
+
+
+# ---------------------------------------------------------------- random states
+def capture_random() -> dict:
+    """The states of the global generators, as plain data: ``random``'s always, numpy's and torch's when
+    imported."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"random": [version, list(internal), gauss]}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = bytes(torch.get_rng_state().numpy())
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["torch_cuda"] = [bytes(s.numpy()) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def check_random(state: Any, where: Any = "<copy>") -> dict:
+    """state as capture_random gives it, after checking that every part would set its generator; also
+    reads the form older checkpoints hold (tuples, numpy's array, torch's tensor).  Raises CheckpointError
+    naming the generator whose state is malformed.  Sets nothing."""
+    if not isinstance(state, dict) or "random" not in state:
+        raise CheckpointError(where, f"malformed random state: expected a dict with 'random', got "
+                                     f"{type(state).__name__}")
+    out: dict[str, Any] = {}
+    try:
+        version, internal, gauss = state["random"]
+        value = (version, tuple(internal), gauss)
+        random.Random().setstate(value)
+        out["random"] = [version, list(internal), gauss]
+    except Exception as err:
+        raise CheckpointError(where, f"malformed state of the generator 'random': {err}") from None
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            name, keys, pos, has_gauss, cached = state["numpy"]
+            keys = np.asarray(keys)
+            if keys.shape != (624,) or keys.dtype.kind not in "iu":
+                raise ValueError(f"624 integer keys expected, got an array of shape {keys.shape}")
+            np.random.RandomState().set_state((name, keys.astype(np.uint32), int(pos), int(has_gauss),
+                                               float(cached)))
+            out["numpy"] = [name, keys.astype(np.uint32).tolist(), int(pos), int(has_gauss), float(cached)]
+        except Exception as err:
+            raise CheckpointError(where, f"malformed state of numpy's global generator: {err}") from None
+    for name in ("torch", "torch_cuda"):
+        if name not in state:
+            continue
+        try:
+            import torch
+        except ImportError:
+            continue  # nothing here can draw from torch's generators; a run that uses torch names it on load
+        try:
+            if name == "torch":
+                out[name] = _torch_state_bytes(state[name])
+                torch.Generator().set_state(_torch_tensor(out[name]))
+            else:
+                out[name] = [_torch_state_bytes(s) for s in state[name]]
+        except Exception as err:
+            raise CheckpointError(where, f"malformed state of torch's {'CUDA' if '_' in name else 'CPU'} "
+                                         f"generator: {err}") from None
+    return out
+
+
+def _torch_state_bytes(value: Any) -> bytes:
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+        return bytes(value.numpy())
+    raise TypeError(f"bytes expected, got {type(value).__name__}")
+
+
+def _torch_tensor(data: bytes):
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def apply_random(state: dict) -> None:
+    """Set the global generators to a state from check_random (all of them, or none on an error)."""
+    before = capture_random()
+    try:
+        _set_random(state)
+    except BaseException:
+        _set_random(before)
+        raise
+
+
+def _set_random(state: dict) -> None:
+    version, internal, gauss = state["random"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch = sys.modules.get("torch")
+    if torch is not None and "torch" in state:
+        torch.set_rng_state(_torch_tensor(state["torch"]))
+        if "torch_cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([_torch_tensor(s) for s in state["torch_cuda"]])
+
+
+# --------------------------------------------------------------------- settings
+def _cudnn(torch) -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+# name -> (getter, setter, whether present); each takes the torch module
+SETTINGS: dict[str, tuple] = {
+    "torch.threads": (lambda t: t.get_num_threads(), lambda t, v: t.set_num_threads(v), None),
+    "torch.deterministic": (lambda t: t.are_deterministic_algorithms_enabled(),
+                            lambda t, v: t.use_deterministic_algorithms(
+                                v, warn_only=t.is_deterministic_algorithms_warn_only_enabled()), None),
+    "torch.deterministic_warn_only": (lambda t: t.is_deterministic_algorithms_warn_only_enabled(),
+                                      lambda t, v: t.use_deterministic_algorithms(
+                                          t.are_deterministic_algorithms_enabled(), warn_only=v), None),
+    "torch.float32_matmul_precision": (lambda t: t.get_float32_matmul_precision(),
+                                       lambda t, v: t.set_float32_matmul_precision(v), None),
+    "torch.default_dtype": (lambda t: str(t.get_default_dtype()).removeprefix("torch."),
+                            lambda t, v: t.set_default_dtype(getattr(t, v)), None),
+    "torch.cudnn.enabled": (lambda t: t.backends.cudnn.enabled,
+                            lambda t, v: setattr(t.backends.cudnn, "enabled", v), _cudnn),
+    "torch.cudnn.benchmark": (lambda t: t.backends.cudnn.benchmark,
+                              lambda t, v: setattr(t.backends.cudnn, "benchmark", v), _cudnn),
+    "torch.cudnn.deterministic": (lambda t: t.backends.cudnn.deterministic,
+                                  lambda t, v: setattr(t.backends.cudnn, "deterministic", v), _cudnn),
+    "torch.cudnn.allow_tf32": (lambda t: t.backends.cudnn.allow_tf32,
+                               lambda t, v: setattr(t.backends.cudnn, "allow_tf32", v), _cudnn),
+    "torch.cuda.matmul.allow_tf32": (lambda t: t.backends.cuda.matmul.allow_tf32,
+                                     lambda t, v: setattr(t.backends.cuda.matmul, "allow_tf32", v), _cudnn),
+}
+_TYPES = {"torch.threads": int, "torch.float32_matmul_precision": str, "torch.default_dtype": str}
+_DTYPES = ("float32", "float64", "float16", "bfloat16")
+_PRECISIONS = ("highest", "high", "medium")
+
+
+def capture_settings() -> dict:
+    """This process's values of the settings that change results (those of the libraries imported)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    return {name: get(torch) for name, (get, _, present) in SETTINGS.items() if present is None or present(torch)}
+
+
+def check_settings(settings: Any, where: Any = "<copy>") -> dict:
+    """settings as a dict of known names and well-typed values; a ValueError (CheckpointError when
+    where is a file) names the first one that is not."""
+    if not isinstance(settings, dict):
+        raise _settings_error(where, f"settings must be a dict, got {type(settings).__name__}")
+    for name, value in settings.items():
+        if name not in SETTINGS:
+            raise _settings_error(where, f"unknown setting {name!r}; known: {', '.join(SETTINGS)}")
+        kind = _TYPES.get(name, bool)
+        if type(value) is not kind or (kind is int and value < 1):
+            raise _settings_error(where, f"setting {name!r} must be {'a positive int' if kind is int else kind.__name__}"
+                                         f", got {value!r}")
+        allowed = {"torch.default_dtype": _DTYPES, "torch.float32_matmul_precision": _PRECISIONS}.get(name)
+        if allowed and value not in allowed:
+            raise _settings_error(where, f"setting {name!r} must be one of {', '.join(allowed)}, got {value!r}")
+    return dict(settings)
+
+
+def _settings_error(where, reason):
+    return CheckpointError(where, reason) if where != "<settings>" else ValueError(reason)
+
+
+def apply_settings(settings: dict, announce: bool = True) -> dict:
+    """Set this process's settings to these (those of libraries imported here; a setting of a library
+    the process has not imported is left alone).  Returns {name: (process's value, run's value)} for the
+    ones that differed; with announce, a SettingsWarning names them."""
+    torch = sys.modules.get("torch")
+    if torch is None or not settings:
+        return {}
+    changed = {}
+    for name, value in settings.items():
+        get, put, present = SETTINGS[name]
+        if present is not None and not present(torch):
+            continue
+        old = get(torch)
+        if old != value:
+            put(torch, value)
+            changed[name] = (old, value)
+    if changed and announce:
+        said = ", ".join(f"{n}={new!r} (this process had {old!r})" for n, (old, new) in changed.items())
+        warnings.warn(f"flowvm: resuming with the settings the run was saved with: {said}. "
+                      "drv.resume_with(settings=False) keeps the process's own.", SettingsWarning, stacklevel=4)
+    return changed

@@ -1,0 +1,189 @@
+"""Every exception and warning class of flowvm, in one place.
+
+User exceptions raised inside a CALL keep their own type; flowvm only adds a
+note saying where they happened.  The classes here are for errors that are
+flowvm's own: a program that cannot run, a checkpoint that cannot be read.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+from ..pickled import stable
+
+# how much of a failed command's stderr its CommandError quotes
+TAIL_CHARS = 2000
+
+
+@stable("flowvm.pickled")
+def rebuild_error(cls: type, args: tuple, state: dict) -> "FlowError":
+    """An unpickled FlowError: its args and attributes set back without calling ``__init__``."""
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
+@stable("flowvm")
+class FlowError(Exception):
+    """Base class of flowvm's own errors.
+
+    Every FlowError pickles with its type, message and attributes (``path``,
+    ``register``...), whatever its ``__init__`` takes, so that one raised in
+    another process (a SPAWN fragment) arrives as itself.
+
+    >>> import pickle
+    >>> err = pickle.loads(pickle.dumps(RegisterError("x holds no value", "x", "0.1")))
+    >>> type(err).__name__, str(err), err.register, err.path
+    ('RegisterError', 'x holds no value', 'x', '0.1')
+    """
+
+    def __reduce__(self):
+        # BaseException.__reduce__ calls cls(*self.args), which fails for subclasses whose __init__
+        # takes other arguments than the message (RegisterError(message, register, path)).
+        return rebuild_error, (type(self), self.args, self.__dict__)
+
+
+@stable("flowvm")
+class VerifyError(FlowError):
+    """A program failed static verification.
+
+    ``path`` is the path of the faulty element ("0.2.1", "" for the root) and
+    ``register`` the register name at fault, when there is one.
+    """
+
+    def __init__(self, message: str, path: str = "", register: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.register = register
+
+
+@stable("flowvm")
+class RegisterError(FlowError, KeyError):
+    """A register was read before anything was stored in it."""
+
+    def __init__(self, message: str, register: str, path: str = ""):
+        super().__init__(message)
+        self.register = register
+        self.path = path
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+@stable("flowvm")
+class SwitchError(FlowError, LookupError):
+    """A SWITCH selector value has no case and the SWITCH has no default."""
+
+    def __init__(self, message: str, value: object, path: str = ""):
+        super().__init__(message)
+        self.value = value
+        self.path = path
+
+
+@stable("flowvm")
+class CheckpointError(FlowError):
+    """A checkpoint file cannot be written, read or trusted.
+
+    ``path`` is the file and ``reason`` says what is wrong with it.
+    """
+
+    def __init__(self, path: object, reason: str):
+        super().__init__(f"checkpoint {str(path)!r}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+@stable("flowvm")
+class SpawnError(FlowError):
+    """A SPAWN could not run its fragment: a dead worker, a cancelled task, an executor gone.
+
+    A fragment that raises is not a SpawnError: its own exception is raised
+    again in the parent, with the child's traceback as a note.
+    """
+
+
+@stable("flowvm")
+class SpawnTimeout(SpawnError, TimeoutError):
+    """A SPAWN's fragment ran longer than the SPAWN's timeout."""
+
+
+@stable("flowvm")
+class SourceError(FlowError, ValueError):
+    """A program holds something that has no source form; ``path`` names the element."""
+
+    def __init__(self, message: str, path: str = ""):
+        super().__init__(message)
+        self.path = path
+
+
+@stable("flowvm")
+class EditError(FlowError, LookupError):
+    """An edit that cannot be made: no match, a running element, an element that cannot go there.
+
+    ``path`` is the path of the element at fault ("" for the root).
+    """
+
+    def __init__(self, message: str, path: str = ""):
+        super().__init__(message)
+        self.path = path
+
+
+@stable("flowvm")
+class CommandError(FlowError, subprocess.CalledProcessError):
+    """A POPEN with check=True exited with a non-zero code; the message ends with the tail of its stderr."""
+
+    def __str__(self) -> str:
+        rc = self.returncode
+        if rc < 0:
+            try:
+                how = f"died of signal {signal.Signals(-rc).name}"
+            except ValueError:
+                how = f"died of signal {-rc}"
+        else:
+            how = f"exited with code {rc}"
+        text = f"command {self.cmd!r} {how}"
+        tail = self.stderr
+        if isinstance(tail, bytes):
+            tail = tail.decode(errors="replace")
+        if tail:
+            tail = tail[-TAIL_CHARS:]
+            text += "; the end of its stderr:\n" + tail.rstrip("\n")
+        return text
+
+
+@stable("flowvm")
+class PassError(FlowError):
+    """A pass failed or produced a program that does not verify.
+
+    ``pass_name`` names the pass; ``path`` and ``register`` come from the
+    verifier's error when there is one.
+    """
+
+    def __init__(self, message: str, pass_name: str, path: str = "", register: str | None = None):
+        super().__init__(message)
+        self.pass_name = pass_name
+        self.path = path
+        self.register = register
+
+
+@stable("flowvm")
+class UnknownPassError(PassError, KeyError):
+    """A pass name that is not registered, or options for a pass that is not in the pipeline (a PassError,
+    and a KeyError as a failed lookup)."""
+
+    def __str__(self) -> str:  # the message as it is (a KeyError would quote it)
+        return str(self.args[0]) if self.args else ""
+
+
+class FusionWarning(RuntimeWarning):
+    """A fused step could not be compiled and runs eagerly."""
+
+
+class CopyWarning(UserWarning):
+    """A copy of a run (pickle, checkpoint) leaves out something the run uses."""
+
+
+class SettingsWarning(UserWarning):
+    """A resumed run changed a setting of this process to the value the run was saved with."""

@@ -1,0 +1,184 @@
+"""Running a driver from the command line: progress output, periodic atomic checkpoints, signals.
+
+``Runner(drv, show, ckpt, every, every_seconds).run()`` runs a driver to its
+end in chunks of about 50 ms.  Between chunks it updates a tqdm bar (on a
+terminal) or prints a plain progress line (otherwise), saves the run when
+``every`` steps or ``every_seconds`` seconds have passed since the last save,
+and checks whether SIGINT or SIGTERM asked it to stop.  It also saves when a
+step raises (the saved run retries that step), when it pauses and at the end.
+``ckpt`` is a local Path or an fsspec URL (a str): checkpoint.save writes either
+through flowvm.persist.storage, atomically.
+"""
+
+from __future__ import annotations
+
+import inspect
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..persist import checkpoint
+from ..machine.driver import Driver
+
+DEFAULT_EVERY_SECONDS = 60.0
+_MAX_CHUNK = 1 << 20  # steps per driver.run() call, at most
+
+
+def static_steps(program) -> int | None:
+    """The number of steps the program takes, when its shape alone fixes it (else None)."""
+    from ..program.elements import BUFFER, CALL, PRINT, REPEAT, SEQ, WEAVE
+
+    def count(el):
+        kind = type(el)
+        if kind is CALL or kind is PRINT:
+            return 1
+        if kind is SEQ or (kind is WEAVE and el.required == len(el.elements)):
+            return sum(count(c) for c in el.children)
+        if (kind is REPEAT or kind is BUFFER) and isinstance(el.n, int):
+            return el.n * count(el.body) if el.n else 0
+        raise LookupError
+
+    try:
+        return count(program)
+    except LookupError:
+        return None
+
+
+class _Stop:
+    """Turns SIGINT/SIGTERM into a request to checkpoint and stop at the next step boundary."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def short_value(value: Any, limit: int = 40) -> str:
+    """A register value for a progress line: numbers to 5 significant digits, arrays by shape."""
+    from ..program.printer import fmt
+
+    if isinstance(value, float):
+        return f"{value:.5g}"
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "shape", None) in ((), (1,)):
+        try:
+            v = item()
+            return f"{v:.5g}" if isinstance(v, float) else str(v)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return fmt(value, limit)
+
+
+def shown(drv: Driver, names: list[str]) -> str:
+    return " ".join(f"{n}={short_value(drv.registers[n])}" for n in names if n in drv.registers)
+
+
+class Runner:
+    """Runs a driver with progress output and periodic atomic checkpoints."""
+
+    def __init__(self, drv: Driver, show: list[str], ckpt: Path | str | None = None, every: int | None = None,
+                 every_seconds: float | None = None, meta: dict | None = None, key: str | None = None,
+                 progress: str = "auto", progress_every: float = 2.0):
+        self.drv, self.show, self.ckpt, self.every, self.meta, self.key = drv, show, ckpt, every, meta or {}, key
+        if ckpt is not None and every is None and every_seconds is None:
+            every_seconds = DEFAULT_EVERY_SECONDS
+        self.every_seconds = every_seconds
+        self.mode = ("bar" if sys.stderr.isatty() else "lines") if progress == "auto" else progress
+        self.progress_every = progress_every
+        self.total = static_steps(drv.program)
+        self.timed = "timeout" in inspect.signature(drv.run).parameters
+
+    def save(self) -> None:
+        if self.ckpt is not None:
+            checkpoint.save(self.drv, self.ckpt, key=self.key, meta=self.meta)
+            self.saved_step, self.saved_time = self.drv.steps, time.monotonic()
+
+    def line(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def progress_line(self) -> str:
+        drv = self.drv
+        of = f"/{self.total}" if self.total else ""
+        rate = (drv.steps - self.start_step) / max(time.monotonic() - self.start_time, 1e-9)
+        return f"step {drv.steps}{of} ({rate:.0f} steps/s) {shown(drv, self.show)}".rstrip()
+
+    def run(self, max_steps: int | None = None) -> int:
+        """Run until done, max_steps more steps or a signal; return the exit status."""
+        drv = self.drv
+        self.saved_step, self.saved_time = drv.steps, time.monotonic()
+        self.start_step, self.start_time = drv.steps, time.monotonic()
+        limit = None if max_steps is None else drv.steps + max_steps
+        bar = None
+        if self.mode == "bar":
+            from tqdm import tqdm
+
+            bar = tqdm(initial=drv.steps, total=self.total, unit="step", dynamic_ncols=True, file=sys.stderr)
+        elif self.mode == "lines":
+            where = f", saving to {self.ckpt}" if self.ckpt is not None else ""
+            self.line(f"flowvm: running from step {drv.steps}{where}")
+        last_line = time.monotonic()
+        chunk = 1
+        with _Stop() as stop:
+            try:
+                while not drv.done and stop.signal is None and (limit is None or drv.steps < limit):
+                    n = chunk
+                    if self.every is not None and self.ckpt is not None:
+                        n = max(1, min(n, self.saved_step + self.every - drv.steps))
+                    if limit is not None:
+                        n = min(n, limit - drv.steps)
+                    t0 = time.monotonic()
+                    before = drv.steps
+                    if self.timed:  # returns within about 50 ms, also while it waits on a SPAWN or POPEN
+                        drv.run(max_steps=n, timeout=0.05)
+                    else:
+                        drv.run(max_steps=n)
+                    took = time.monotonic() - t0
+                    # chunks of about 50 ms keep signals and output responsive
+                    chunk = max(1, min(chunk * 2, _MAX_CHUNK, int(n * 0.05 / took) if took > 0 else _MAX_CHUNK))
+                    now = time.monotonic()
+                    if bar is not None:
+                        bar.update(drv.steps - before)
+                        bar.set_postfix_str(shown(drv, self.show), refresh=False)
+                    elif self.mode == "lines" and now - last_line >= self.progress_every:
+                        self.line(self.progress_line())
+                        last_line = now
+                    if self.ckpt is not None and not drv.done and (
+                            (self.every is not None and drv.steps - self.saved_step >= self.every)
+                            or (self.every_seconds is not None and now - self.saved_time >= self.every_seconds)):
+                        self.save()
+            except Exception as err:
+                if bar is not None:
+                    bar.close()
+                if self.ckpt is not None:
+                    self.save()  # the driver is consistent: resuming retries the step that failed
+                    err.add_note(f"flowvm: the run is saved at step {drv.steps} in {self.ckpt}; "
+                                 f"`flowvm resume {self.ckpt}` retries the failed step")
+                raise
+            if bar is not None:
+                bar.close()
+            elif self.mode == "lines":
+                self.line(self.progress_line())
+            self.save()
+            if stop.signal is not None and not drv.done:  # a signal during the last step: the run finished
+                name = signal.Signals(stop.signal).name
+                where = f"; saved to {self.ckpt}, continue with `flowvm resume {self.ckpt}`" if self.ckpt else ""
+                if where and self.key is not None:
+                    where += " (signed: give the key with --key or $FLOWVM_CHECKPOINT_KEY)"
+                self.line(f"flowvm: stopped by {name} at step {drv.steps}{where}")
+                return 128 + stop.signal
+        return 0

@@ -1,0 +1,256 @@
+"""Hot patches: the edits of ``flowvm.editing.edit`` applied to a half-run driver, in place.
+
+The driver's frames (see ``flowvm.machine.driver``) hold the elements they run and
+counters that index children (a SEQ's position, a SWITCH's case, a WEAVE's
+turn).  A patch edits the program and remaps every frame, on the main stack
+and in the paused segments of WEAVE frames, to the edited tree:
+
+- an element that has **started** (a container with a frame in progress, a
+  leaf that is polling) cannot be replaced or removed: ``EditError`` names it.
+  Editing *inside* it is fine (add a hook to the body of a running loop), and
+  so is inserting before or after it;
+- the driver sits just before the element it will run next, which has not
+  started: it can be replaced or removed; an element inserted before it
+  runs next, and so does one inserted after the element that just finished
+  when both are children of one SEQ (in a loop body that just finished an
+  iteration, an element inserted after the body runs after its next one).
+  After a leaf the driver enters the containers on its way to the next leaf
+  (``Driver._fresh`` marks them); none of their steps has run, so for a patch
+  they have not started: their frames are rewound and entered again by the
+  next step;
+- an element inserted before a started element runs from its next
+  activation on; one inserted after it runs when it finishes;
+- a SEQ's position moves with its running child when siblings are inserted
+  or removed before it; wrapping a started element in a SEQ adds that SEQ's
+  frame around its frames;
+- a child of a running WEAVE can be removed only while it waits for its
+  first turn (its slots in the WEAVE's per-child lists go with it); a
+  finished or started child is refused: replace it with ``SEQ([])`` instead.
+
+The patch is all or nothing: refusals and verification of the edited
+program (against the driver's registers, all references bound to them)
+happen before the driver changes.  The driver's caches (the bound next leaf,
+the fast REPEAT frame) are dropped, so the next step runs the edited program.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..machine.driver import Driver
+from ..machine.frames import ELEMENT, SEQ_POS, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_FINISHED, WEAVE_SEGMENTS, WEAVE_VALUES
+from ..machine.frames import walk as walk_frames
+from .edit import EditError, Match, NoFrames, carry_overrides, edit_tree
+from ..program.elements import WEAVE, Element, provide
+from ..program.paths import Path, format_path, get, walk
+
+
+class _Frame:
+    """A working copy of one frame: ``orig`` (the driver's list, None for a new frame) and ``data``."""
+
+    __slots__ = ("orig", "data")
+
+    def __init__(self, orig: list | None, data: list):
+        self.orig = orig
+        self.data = data
+
+
+def _describe(el: Element, path: Path) -> str:
+    from ..program.printer import describe
+
+    return f"{describe(el)} at path {format_path(path) or '<root>'!r}"
+
+
+class DriverFrames(NoFrames):
+    """Keeps a working copy of a driver's frames in step with the edits of ``edit_tree``."""
+
+    def __init__(self, drv: Driver):
+        self.drv = drv
+        stack = drv._stack
+        fresh = drv._fresh if drv._ready and not drv.done else None
+        if fresh is not None and fresh < len(stack) - 1:
+            # The last settle entered these containers on its way to the next leaf, and none of
+            # them has taken a step: the patch sees them as not started (the next step enters
+            # them again), so an element inserted before them runs first.
+            self.main = [self._copy(fr) for fr in stack[:fresh]] + [_Frame(stack[fresh], [stack[fresh][ELEMENT]])]
+        else:
+            self.main = [self._copy(fr) for fr in stack]
+
+    def _copy(self, fr: list) -> _Frame:
+        data = list(fr)
+        if type(fr[ELEMENT]) is WEAVE and len(fr) > 1:
+            data[WEAVE_SEGMENTS] = [None if seg is None else [self._copy(s) for s in seg] for seg in fr[WEAVE_SEGMENTS]]
+        return _Frame(fr, data)
+
+    def started(self, f: _Frame) -> bool:
+        if len(f.data) > 1:
+            return True
+        return f.data[ELEMENT].is_leaf and f.orig is not None and id(f.orig) in self.drv.__dict__.get("_live", {})
+
+    def chains(self) -> list[tuple[Path, list, int]]:
+        """(path, chain, index) of every frame: the main stack and the WEAVE segments."""
+        return [(path, chain, k) for path, chain, k, _ in walk_frames(self.main, key=lambda f: f.data)]
+
+    def locate(self, path: Path) -> tuple[list, int] | None:
+        for p, chain, k in self.chains():
+            if p == path:
+                return chain, k
+        return None
+
+    # -- the listener interface of edit_tree
+    def replace(self, path: Path, old: Element, new: Element, verb: str = "replace") -> None:
+        loc = self.locate(path)
+        if loc is None:
+            return
+        chain, k = loc
+        f = chain[k]
+        if self.started(f):
+            raise EditError(f"cannot {verb} {_describe(f.data[ELEMENT], path)}: it is running "
+                            f"(driver at step {self.drv.steps}); edit the elements inside it, "
+                            "or insert before or after it", format_path(path))
+        f.data[ELEMENT] = new
+
+    def seq_insert(self, seq_path: Path, index: int, items: list) -> None:
+        loc = self.locate(seq_path)
+        if loc is None:
+            return
+        chain, k = loc
+        f = chain[k]
+        if len(f.data) == 1:
+            return  # not started: it starts on the edited children
+        pos = f.data[SEQ_POS]
+        if pos > index:
+            f.data[SEQ_POS] = pos + len(items)
+        elif pos == index:
+            child = chain[k + 1] if k + 1 < len(chain) else None
+            if child is not None and not self.started(child):
+                child.data[ELEMENT] = items[0]  # the driver sits just before it: the inserted elements run next
+            else:
+                f.data[SEQ_POS] = pos + len(items)
+
+    def seq_delete(self, seq_path: Path, index: int, children: list) -> None:
+        loc = self.locate(seq_path)
+        if loc is None:
+            return
+        chain, k = loc
+        f = chain[k]
+        if len(f.data) == 1:
+            return
+        pos = f.data[SEQ_POS]
+        if pos > index:
+            f.data[SEQ_POS] = pos - 1
+        elif pos == index:
+            child = chain[k + 1] if k + 1 < len(chain) else None
+            path = seq_path + (index,)
+            if child is None:
+                f.data[SEQ_POS] = index - 1  # it finished: its value goes on to the next one
+            elif self.started(child):
+                raise EditError(f"cannot remove {_describe(child.data[ELEMENT], path)}: it is running "
+                                f"(driver at step {self.drv.steps})", format_path(path))
+            elif index + 1 < len(children):
+                child.data[ELEMENT] = children[index + 1]
+            else:
+                raise EditError(f"cannot remove {_describe(child.data[ELEMENT], path)}: the driver is about to run "
+                                "it and it is the last element of its SEQ, whose value it gives; "
+                                "replace it with another element instead", format_path(path))
+
+    def wrap(self, path: Path, wrapper: Element, index: int) -> None:
+        loc = self.locate(path)
+        if loc is None:
+            return
+        chain, k = loc
+        f = chain[k]
+        if self.started(f):
+            chain.insert(k, _Frame(None, [wrapper, index]))
+        else:
+            f.data[ELEMENT] = wrapper
+
+    def weave_delete(self, weave_path: Path, index: int, child: Element) -> None:
+        loc = self.locate(weave_path)
+        if loc is None:
+            return
+        chain, k = loc
+        data = chain[k].data
+        if len(data) == 1:
+            return  # not started: it starts on the edited children
+        path = weave_path + (index,)
+        segs = data[WEAVE_SEGMENTS]
+        seg = segs[index]
+        if data[WEAVE_FINISHED][index]:
+            raise EditError(f"cannot remove {_describe(child, path)}: it has finished and its value is part of "
+                            "its running WEAVE's result; replace it with SEQ([]) instead", format_path(path))
+        if seg is None or len(seg) != 1 or self.started(seg[0]):
+            raise EditError(f"cannot remove {_describe(child, path)}: it is running (a child of a running WEAVE, "
+                            f"driver at step {self.drv.steps})", format_path(path))
+        # an unstarted child waiting for its first turn: drop its slot in every per-child list
+        data[WEAVE_SEGMENTS] = segs[:index] + segs[index + 1:]
+        for slot in (WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS):
+            data[slot] = data[slot][:index] + data[slot][index + 1:]
+        if data[WEAVE_ACTIVE] > index:
+            data[WEAVE_ACTIVE] -= 1
+
+    # -- commit
+    def resolve(self, program: Element) -> None:
+        """Point every frame at its element in the edited program, checking that running ones kept their kind."""
+        for path, chain, k in self.chains():
+            f = chain[k]
+            try:
+                el = get(program, path)
+            except LookupError:  # pragma: no cover - an edit that lost a frame's element
+                raise EditError(f"internal error: no element at path {format_path(path)!r} for a running frame",
+                                format_path(path)) from None
+            old = f.data[ELEMENT]
+            if old.is_leaf and el is not old and self.started(f):
+                raise EditError(f"cannot edit inside {_describe(old, path)}: it is running "
+                                f"(driver at step {self.drv.steps})", format_path(path))
+            if len(f.data) > 1:
+                if type(el) is not type(old) or (type(el) is WEAVE and len(el.elements) != len(f.data[WEAVE_SEGMENTS])):
+                    raise EditError(f"cannot patch: {_describe(old, path)} is running and would become "
+                                    f"{_describe(el, path)}", format_path(path))
+            f.data[ELEMENT] = el
+
+    def materialize(self, chain: list) -> list[list]:
+        out = []
+        for f in chain:
+            data = list(f.data)
+            if type(data[ELEMENT]) is WEAVE and len(data) > 1:
+                data[WEAVE_SEGMENTS] = [None if seg is None else self.materialize(seg) for seg in data[WEAVE_SEGMENTS]]
+            fr = f.orig if f.orig is not None else []
+            fr[:] = data
+            out.append(fr)
+        return out
+
+
+def patch_driver(drv: Driver, found: list[Match], op: str, new: Any) -> Driver:
+    """Apply an edit to drv's program and frames in place (all or nothing); return drv."""
+    from ..program.analysis import register_files
+    from ..program.verify import verify
+
+    frames = DriverFrames(drv)
+    program = edit_tree(drv.program, found, op, new, frames)
+    for file in register_files(program):
+        if file is not drv.registers:
+            names = sorted({r.name for _, el in walk(program) for r in el.own_reads() + el.own_writes()
+                            if r.file is file})
+            raise EditError(f"the patch uses registers {', '.join(map(repr, names[:3]))} of another register file; "
+                            "build it with the driver's: reg = drv.registers; reg('name')")
+    frames.resolve(program)
+    verify(program, drv.registers)
+    program = carry_overrides(drv.program, program)
+    # commit
+    drv._stack[:] = frames.materialize(frames.main)
+    drv.program = program
+    drv.invalidate()
+    drv._fresh = None  # frame indices moved; a rewound driver settles again just below and sets it anew
+    untouched = drv.steps == 0 and len(drv._stack) == 1 and len(drv._stack[0]) == 1
+    if not drv.done and drv._ready and drv._stack and not drv._stack[-1][ELEMENT].is_leaf:
+        drv._ready = False
+    if not drv.done and not untouched:  # a driver fresh from start() still reads nothing until it steps
+        try:
+            drv._prepare()
+        except Exception:
+            pass  # a move that fails is retried, and raised, by the next step
+    return drv
+
+
+provide("patch_driver", patch_driver)  # edits made through Driver.find() and Driver.at()

@@ -1,0 +1,148 @@
+"""Matching elements against a pattern: what ``find`` (flowvm.editing.edit) looks for.
+
+A pattern matches elements of the same kind whose function and given arguments are equal; positional
+arguments are compared from the first (``ANY`` matches anything), keyword arguments not named in the
+pattern match anything, ``store_to`` is compared only when the pattern gives one, and a Register matches a
+Register of the same name.  A container pattern matches containers with equal settings whose children
+match the pattern's children.  A plain function as the pattern matches every CALL of it, an element class
+(``REPEAT``) every element of that kind.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+from ..program.elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from ..program.paths import format_path, walk
+from ..program.printer import describe, fn_name
+from ..program.registers import Register, Registers
+
+
+class _Any:
+    """Matches any argument in a pattern."""
+
+    def __repr__(self) -> str:
+        return "ANY"
+
+    def __reduce__(self):
+        return "ANY"
+
+
+ANY = _Any()
+
+
+def same_value(p: Any, v: Any) -> bool:
+    """Whether pattern value p matches value v (ANY, Registers by name, containers item by item)."""
+    if p is ANY or p is v:
+        return True
+    if getattr(v, "__func__", None) is p and p is not None:  # Class.method matches obj.method
+        return True
+    if isinstance(p, types.FunctionType) and _same_function(p, getattr(v, "__func__", v)):
+        return True
+    if isinstance(p, Register):
+        return isinstance(v, Register) and p.name == v.name
+    if isinstance(p, Element):
+        return isinstance(v, Element) and matches(p, v)
+    if isinstance(p, (list, tuple)):
+        return (type(p) is type(v) and len(p) == len(v)
+                and all(same_value(a, b) for a, b in zip(p, v)))
+    if isinstance(p, dict) and not isinstance(p, Registers):
+        return (isinstance(v, dict) and len(p) == len(v)
+                and all(k in v and same_value(p[k], v[k]) for k in p))
+    if type(p) is not type(v):
+        return False
+    try:
+        equal = p == v
+    except Exception:
+        return False
+    if isinstance(equal, bool):
+        return equal
+    try:  # numpy arrays, tensors: equal when every item is
+        return bool(equal.all()) and getattr(p, "shape", None) == getattr(v, "shape", None)
+    except Exception:
+        return False
+
+
+def _same_function(p: types.FunctionType, v: Any) -> bool:
+    """Whether v is a copy of function p (one pickled by value, as functions of a script are): the same
+    module, qualified name and code."""
+    return (isinstance(v, types.FunctionType) and v.__qualname__ == p.__qualname__
+            and v.__module__ == p.__module__ and v.__code__.co_code == p.__code__.co_code
+            and v.__code__.co_consts == p.__code__.co_consts)
+
+
+def matches(pattern: Element, el: Element) -> bool:
+    """Whether el matches pattern (see the module docstring)."""
+    if pattern is el:
+        return True
+    if pattern.kind != el.kind:
+        return False
+    if isinstance(pattern, CALL):
+        return (isinstance(el, CALL) and same_value(pattern.fn, el.fn)
+                and len(pattern.args) <= len(el.args)
+                and all(same_value(p, v) for p, v in zip(pattern.args, el.args))
+                and all(k in el.kwargs and same_value(p, el.kwargs[k]) for k, p in pattern.kwargs.items())
+                and (pattern.store_to is None or same_value(pattern.store_to, el.store_to)))
+    if isinstance(pattern, PRINT):
+        return (len(pattern.objs) <= len(el.objs)
+                and all(same_value(p, v) for p, v in zip(pattern.objs, el.objs)))
+    if isinstance(pattern, (REPEAT, BUFFER)):
+        extra = pattern.counter if isinstance(pattern, REPEAT) else pattern.store_to
+        other = el.counter if isinstance(pattern, REPEAT) else el.store_to
+        if not same_value(pattern.n, el.n) or (extra is not None and not same_value(extra, other)):
+            return False
+    elif isinstance(pattern, SWITCH):
+        if list(pattern.cases) != list(el.cases) or (pattern.default is None) != (el.default is None):
+            return False
+        if not same_value(pattern.selector, el.selector):
+            return False
+    elif isinstance(pattern, WEAVE):
+        if pattern.n_required != el.n_required or (pattern.weights is not None and pattern.weights != el.weights):
+            return False
+    elif not isinstance(pattern, (SEQ, LOOP, WHILE)):  # another kind: all its fields equal
+        fields = {k: v for k, v in pattern.__dict__.items() if not k.startswith("_") and k != "scope"}
+        other = {k: v for k, v in el.__dict__.items() if not k.startswith("_") and k != "scope"}
+        return fields.keys() == other.keys() and all(same_value(fields[k], other[k]) for k in fields)
+    pc, ec = pattern.children, el.children
+    return len(pc) == len(ec) and all(matches(a, b) for a, b in zip(pc, ec))
+
+
+def pattern_test(pattern: Any) -> Callable[[Element], bool] | None:
+    if pattern is None:
+        return None
+    if isinstance(pattern, Element):
+        return lambda el: matches(pattern, el)
+    if isinstance(pattern, type) and issubclass(pattern, Element):  # an element kind: all elements of it
+        return lambda el: isinstance(el, pattern)
+    if callable(pattern):
+        return lambda el: isinstance(el, CALL) and same_value(pattern, el.fn)
+    raise TypeError(f"find: the pattern must be an element or a function, got {type(pattern).__name__} "
+                    f"{pattern!r:.60} (use where= for a predicate)")
+
+
+def describe_pattern(pattern: Any, where: Any) -> str:
+    parts = []
+    if isinstance(pattern, Element):
+        parts.append(describe(pattern))
+    elif isinstance(pattern, type) and issubclass(pattern, Element):
+        parts.append(f"any {pattern.kind}")
+    elif pattern is not None:
+        parts.append(f"CALL {fn_name(pattern)}(...)")
+    if where is not None:
+        parts.append(f"where {getattr(where, '__name__', 'predicate')}")
+    return " ".join(parts)
+
+
+def near_misses(program: Element, pattern: Any) -> str:
+    """A hint naming elements of the same kind and function when nothing matched."""
+    if isinstance(pattern, CALL):
+        same_fn = [(p, el) for p, el in walk(program) if isinstance(el, CALL) and same_value(pattern.fn, el.fn)]
+        if same_fn:
+            shown = "; ".join(f"{describe(el)} at {format_path(p)!r}" for p, el in same_fn[:3])
+            return f" (CALLs of the same function with other arguments: {shown})"
+        return " (no CALL of that function at all)"
+    if isinstance(pattern, Element):
+        kinds = sum(1 for _, el in walk(program) if el.kind == pattern.kind)
+        return f" ({kinds} {pattern.kind} elements, none with these settings and children)"
+    return ""

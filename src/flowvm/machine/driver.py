@@ -1,0 +1,522 @@
+"""The resumable machine that runs programs.
+
+State of a run (all plain data, so a half-run driver pickles and copies):
+
+- ``_stack``: frames, outermost first.  A frame is a list whose first item is
+  the element; the rest is that element's counters (see the layouts below).
+  A frame of length 1 is *unstarted* for a container and *ready* for a leaf.
+- ``_carry``: a value in transit from a finished child to the frame on top of
+  the stack (``NOVALUE`` when none).
+- WEAVE frames hold the paused frames of their inactive children as
+  *segments*; the active child's frames sit on the main stack above the WEAVE.
+
+Leaves: *simple* leaves (``simple_leaf``: CALL, PRINT, a fused torch step)
+run through closures made by compile.py that depend on the register file
+alone.  Any other leaf kind (POPEN, SPAWN, a CALL with Depends arguments)
+implements the *leaf protocol*: ``el.bind(driver, frame)`` returns a zero-argument function that
+the driver calls once per step; it returns the leaf's value when the leaf is
+finished, or ``PENDING`` when it only polled something still running (that
+poll counts as a step and the leaf stays on the stack).  Live handles a leaf
+needs between polls (a process, a future) go in ``driver.live`` keyed by
+``id(frame)``: a cache, never pickled, so a loaded driver finds none and the
+leaf starts its work again.  ``el.abandon(driver, frame)``, when defined, is
+called for a leaf frame dropped by a finishing WEAVE.  A live handle may
+define ``ready_future()``, returning a ``concurrent.futures.Future`` that is
+done once the leaf's next poll will not return PENDING: when every runnable
+leaf has polled PENDING since the last one that made progress, ``run()``
+blocks on those futures (and ``arun()`` awaits them) instead of polling in a
+busy loop.  Leaves whose handles have no such hook are polled with a short
+back-off (see flowvm/machine/idle.py) while nothing else can run.
+
+One step runs the leaf on top of the stack and then *settles*: finished
+frames hand their values up, enclosing WEAVEs take their turn, and the
+driver descends to the next leaf.  Every move is atomic, so an exception
+anywhere leaves a state from which the same move is retried.  A move that
+fails right after a successful leaf is retried (and raises) at the start of
+the next step, so that a step either runs one leaf or raises without running
+one.
+
+Fast paths (outside WEAVEs, for simple leaves) skip settling but leave
+exactly the frames settling would: a leaf repeated by its REPEAT
+(``_repeat_leaf``), a SEQ of simple leaves repeated by a REPEAT
+(``_repeat_seq``, run() only), and a leaf followed by a simple sibling in its
+SEQ (``_after_leaf``).
+
+Frames and their layouts belong to flowvm/machine/frames.py, which also holds the moves through each element kind
+(``START``/``NEXT``) and settling (``settle``: handing finished values up, taking WEAVE turns, descending
+to the next leaf).
+"""
+
+from __future__ import annotations
+
+import numbers
+import weakref
+from time import monotonic
+from typing import Any
+
+from ..pickled import stable
+from .compile import leaf_function
+from .fastpaths import repeat_leaf, repeat_seq
+from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, child_index, credit_weaves, marks,
+                     settle)
+from ..base.environment import apply_random, apply_settings, capture_random, capture_settings, check_settings
+from ..program.elements import REPEAT, SEQ, WEAVE, Element, provide, tool
+from ..base.errors import RegisterError, SwitchError
+from .idle import Idle as _Idle
+from ..program.paths import format_path
+from ..program.registers import Registers
+from ..base.sentinels import INCOMPLETE, NOVALUE, PENDING
+
+
+
+
+@stable("flowvm")
+class Driver:
+    """Runs a program step by step; a half-run driver pickles and resumes anywhere.
+
+    >>> from flowvm import CALL, REPEAT, Registers
+    >>> reg = Registers(total=0)
+    >>> prog = REPEAT(3, CALL(lambda t: t + 1, reg('total'), store_to=reg('total')))
+    >>> drv = prog.start()
+    >>> drv.step(), drv.steps, reg['total']
+    (INCOMPLETE, 1, 1)
+    >>> drv.run(), drv.steps, drv.done
+    (3, 3, True)
+    """
+
+    def __init__(self, program: Element):
+        if not isinstance(program, Element):
+            raise TypeError(f"a program must be a flowvm element, got {type(program).__name__}")
+        from ..program.verify import program_registers, verify
+
+        self.registers: Registers = program_registers(program)
+        verify(program, self.registers)
+        # A copy of the root alone (its children are shared): an edit of the
+        # user's program, which changes that root in place, leaves this run be.
+        self.program = program = _root_copy(program)
+        DRIVERS.add(self)
+        self.steps = 0
+        self.done = False
+        self.result: Any = None
+        self._stack: list[list] = [[program]]
+        self._carry: Any = NOVALUE
+        self._ready = False
+        self._rotate = False
+        self._weave = has_weave(program)
+        declared = program.process_settings
+        if declared:
+            self._resume = {"random": None, "settings": dict(declared), "announce": False}
+
+    # Live handles of leaves between polls (see the leaf protocol above): a
+    # cache dropped when pickled.
+    @property
+    def live(self) -> dict:
+        live = self.__dict__.get("_live")
+        if live is None:
+            live = self.__dict__["_live"] = {}
+        return live
+
+    # Caches, never pickled: the compiled function of the leaf the next step
+    # runs, and the frames around it that the fast paths use.
+    _leaf = None
+    _fast = None
+    # Plain state (pickled): the index of the outermost of the frames that the last settle entered
+    # and that have taken no step since (from there up to the next leaf); None: the leaf alone.
+    _fresh = None
+    _fastseq = None  # (REPEAT frame, SEQ frame) when the leaf is in a SEQ of plain leaves that a REPEAT repeats
+
+    # ------------------------------------------------------------------ public
+    def step(self) -> Any:
+        """Run one leaf action; return INCOMPLETE, or the program's value once it is finished."""
+        try:
+            fast = self._fast
+            if fast is not None and fast[REPEAT_I] + 1 < fast[REPEAT_N]:
+                # Fast path: a leaf repeated by its REPEAT parent stays on the stack.
+                value = self._leaf()
+                self.steps += 1
+                self._fresh = None
+                i = fast[REPEAT_I] = fast[REPEAT_I] + 1
+                fast[REPEAT_LAST] = value
+                counter = fast[ELEMENT].counter
+                if counter is not None:
+                    self.registers[counter.name] = i
+                return INCOMPLETE
+            if self._leaf is None and not self._prepare():
+                return self.result
+            value = self._leaf()
+        except Exception as err:  # the one place where a leaf's error gets its note (see _running_error)
+            raise self._running_error(err)
+        if value is PENDING:
+            self._after_poll()
+            return INCOMPLETE
+        self._after_leaf(value)
+        return self.result if self.done else INCOMPLETE
+
+    def run(self, max_steps: int | None = None, timeout: float | None = None) -> Any:
+        """Run until the program finishes, max_steps more steps were taken, or timeout seconds passed.
+
+        Returns the program's value when finished, else INCOMPLETE.  With a
+        timeout, run() returns within about one leaf action (or one
+        IDLE_SLICE of waiting) after it.  While every runnable leaf is a
+        pending POPEN or SPAWN, run() sleeps on them instead of polling.
+        """
+        return self._drive(_step_limit(self.steps, max_steps), _deadline(timeout), None, True)
+
+    async def arun(self, max_steps: int | None = None, timeout: float | None = None,
+                   steps_per_yield: int = 1) -> Any:
+        """Drive the program from asyncio: ``await drv.arun()``.
+
+        Yields to the event loop after every ``steps_per_yield`` steps (so
+        other tasks may inspect, save or stop the driver between any two
+        steps), and while every runnable leaf is a pending POPEN or SPAWN it
+        awaits them, taking no CPU, instead of polling.  Returns as run()
+        does; cancelling the task leaves the driver between two steps.
+
+        >>> import asyncio
+        >>> from flowvm import CALL, REPEAT, Registers
+        >>> reg = Registers(n=0)
+        >>> asyncio.run(REPEAT(3, CALL(lambda n: n + 1, reg('n'), store_to=reg('n'))).start().arun())
+        3
+        """
+        import asyncio
+
+        if isinstance(steps_per_yield, bool) or not isinstance(steps_per_yield, numbers.Integral) \
+                or steps_per_yield < 1:
+            raise ValueError(f"steps_per_yield must be an int >= 1, got {steps_per_yield!r}")
+        limit = _step_limit(self.steps, max_steps)
+        deadline = _deadline(timeout)
+        idle = _Idle()
+        while True:
+            idle.stopped = False
+            self._drive(min(limit, self.steps + steps_per_yield), deadline, idle, False)
+            if self.done:
+                return self.result
+            if self.steps >= limit or (deadline is not None and monotonic() >= deadline):
+                return INCOMPLETE
+            if idle.stopped:
+                await idle.wait_async(self, deadline)
+            else:
+                await asyncio.sleep(0)
+
+    def _drive(self, limit, deadline: float | None, idle: "_Idle | None", block: bool) -> Any:
+        """The loop of run() and arun(): with block=False it returns instead of waiting on pending leaves."""
+        try:
+            while True:
+                if self.steps >= limit and not self.done:
+                    return INCOMPLETE  # checked first: run(max_steps=0) enters nothing
+                if self._leaf is None and not self._prepare():
+                    return self.result
+                fast = self._fast
+                if deadline is not None:
+                    if monotonic() >= deadline:
+                        return INCOMPLETE
+                    # the fast paths look at the clock after every step: a step may take far longer than
+                    # the last
+                    if fast is not None and fast[REPEAT_I] + 1 < fast[REPEAT_N]:
+                        repeat_leaf(self, fast, limit, deadline)
+                        continue
+                    if fast is None and self._fastseq is not None \
+                            and repeat_seq(self, self._fastseq, limit, deadline):
+                        continue
+                elif fast is not None:
+                    repeat_leaf(self, fast, limit)  # (it writes the frames back before an error leaves it)
+                    if self.steps >= limit:
+                        return INCOMPLETE
+                elif self._fastseq is not None:
+                    repeat_seq(self, self._fastseq, limit)
+                    if self.steps >= limit:
+                        return INCOMPLETE
+                value = self._leaf()
+                if value is PENDING:
+                    key = id(self._stack[-1])
+                    steps = self.steps
+                    self._after_poll()
+                    if idle is None:
+                        idle = _Idle()
+                    if idle.full_circle(key, steps):
+                        if not block:
+                            idle.stopped = True
+                            return INCOMPLETE
+                        idle.wait(self, deadline)
+                else:
+                    self._after_leaf(value)
+        except Exception as err:  # the other place where a leaf's error gets its note
+            raise self._running_error(err)
+
+    @property
+    def position(self) -> str | None:
+        """Path of the leaf the next step runs (None when finished or not yet settled)."""
+        if self.done or not self._ready:
+            return None
+        return format_path(self.frame_paths()[-1][0])
+
+    def frame_paths(self) -> list[tuple[tuple[int, ...], list]]:
+        """(path, frame) for each frame on the active stack, outermost first."""
+        out = []
+        path: tuple[int, ...] = ()
+        for k, fr in enumerate(self._stack):
+            if k:
+                path = path + (child_index(self._stack[k - 1]),)
+            out.append((path, fr))
+        return out
+
+    def __str__(self) -> str:
+        """The listing of the program with the run's position: '>>' at the next leaf, '..' where paused
+        WEAVE children resume, the loop counters as comments, and the step count."""
+        from ..program.printer import fmt, listing
+
+        if self.done:
+            state = f"finished after {self.steps} steps, result {fmt(self.result, 60)}"
+        else:
+            pos = self.position
+            state = f"step {self.steps}, next: path {pos!r}" if pos is not None else f"step {self.steps}"
+        return f"# flowvm driver: {state}\n" + listing(self.program, {} if self.done else marks(self._stack))
+
+    def __repr__(self) -> str:
+        state = "finished" if self.done else f"at {self.position!r}" if self._ready else "not settled"
+        return f"<flowvm.Driver {self.program.kind} step {self.steps} {state}>"
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_leaf", None)
+        state.pop("_fast", None)
+        state.pop("_fastseq", None)
+        state.pop("_live", None)
+        state.pop("_move_error", None)
+        state["_resume"] = self._resume_for_copy()
+        return state
+
+    def invalidate(self) -> None:
+        """Drop what the driver derived from its program and frames (the next leaf's function, the frames
+        the fast paths hold, whether the program has a WEAVE); the next step derives them again.  For
+        whoever changes the program or the frames in place (hot patches, in-place edits)."""
+        self._weave = has_weave(self.program)
+        self._leaf = self._fast = self._fastseq = None
+
+    # ---------------------------------------------------------------- editing a run
+    def find(self, pattern: Any = None, *, where: Any = None, missing_ok: bool = False):
+        """Matches in the program this driver runs; their edits patch the driver in place (hot patches:
+        see flowvm.editing.hotpatch)."""
+        return tool("find")(self, pattern, where=where, missing_ok=missing_ok)
+
+    def at(self, *paths: Any):
+        """The elements at the given paths of the driver's program, to hot-patch them."""
+        return tool("at")(self, *paths)
+
+    @property
+    def dependency_overrides(self) -> dict:
+        """Replacements for Depends providers in this run; they take precedence over the program's."""
+        return self.__dict__.setdefault("dependency_overrides", {})
+
+    @dependency_overrides.setter
+    def dependency_overrides(self, value: dict) -> None:
+        if not isinstance(value, dict):
+            raise TypeError(f"dependency_overrides must be a dict {{provider: replacement}}, got {type(value).__name__}")
+        self.__dict__["dependency_overrides"] = value
+
+    # ------------------------------------------------------- copies and their process
+    # What this driver sets when it takes its next step (see environment.py), or None:
+    # {"random": global generator states or None, "settings": {name: value}, "announce": bool}.
+    # A copy gets the states and settings of the moment it was made; a new driver the settings its
+    # program declares (Element.with_process_settings).
+    _resume: dict | None = None
+
+    def _resume_for_copy(self) -> dict:
+        pending = self._resume
+        if pending is not None and pending["random"] is not None:
+            return pending  # a copy that has not stepped yet: it stands for the run at that same moment
+        settings = capture_settings()
+        if pending is not None:
+            settings.update(pending["settings"])  # what the next step would have set
+        return {"random": capture_random(), "settings": settings, "announce": True}
+
+    def resume_with(self, random: bool = True, settings: bool | dict = True) -> "Driver":
+        """Choose what this driver sets in its process when it takes its next step.
+
+        A copy of a run (pickle, cloudpickle, deepcopy, checkpoint) carries the states of the global random
+        generators and the settings that change results (torch's thread count, deterministic algorithms,
+        matmul precision, default dtype, cuDNN flags: see flowvm.base.environment) of the moment it was made,
+        and sets them, saying which settings differed, when it takes its first step.  ``random=False``
+        keeps this process's generator states; ``settings=False`` keeps this process's settings; a dict
+        of settings (``{"torch.threads": 4}``) sets those instead of the saved ones.  Returns the driver.
+        """
+        pending = dict(self._resume or {"random": None, "settings": {}, "announce": True})
+        if not random:
+            pending["random"] = None
+        if settings is False:
+            pending["settings"] = {}
+        elif isinstance(settings, dict):
+            pending["settings"] = {**pending["settings"], **check_settings(settings, "<settings>")}
+        elif settings is not True:
+            raise TypeError(f"resume_with: settings must be True, False or a dict, got {settings!r}")
+        self._resume = pending if pending["random"] is not None or pending["settings"] else None
+        if self._resume is not None:
+            self.invalidate()  # the next step goes through _prepare
+        return self
+
+    @property
+    def saved_environment(self) -> dict | None:
+        """What the next step sets (a copy's saved random states and settings), or None."""
+        return self._resume
+
+    def _apply_resume(self) -> None:
+        pending = self._resume
+        if pending["random"] is not None:
+            apply_random(pending["random"])
+        apply_settings(pending["settings"], announce=pending["announce"])
+        self._resume = None
+
+    def __reduce_ex__(self, protocol):
+        # Whatever the outer pickler (pickle, cloudpickle, copy.deepcopy), the
+        # half-run state is written by flowvm's own pickler (checkpoint.py), so
+        # every copy keeps the same things: gradients, global generators, lambdas.
+        # The driver is one self-contained unit: an object it shares with
+        # something pickled beside it is copied, not shared.
+        return tool("copy_driver")(self)
+
+    # ----------------------------------------------------------------- engine
+    def _prepare(self) -> bool:
+        """Settle if needed and fill the caches for the next leaf; False when the program is finished."""
+        if self._resume is not None:  # a copy's first step (or first run() once finished)
+            self._apply_resume()
+        if self.done:
+            return False
+        if not self._ready:
+            settle(self)
+            if self.done:
+                return False
+        stack = self._stack
+        el = stack[-1][ELEMENT]
+        if type(el).simple_leaf:
+            self._leaf = leaf_function(el, self.registers)
+            if not self._weave and len(stack) > 1:
+                parent = stack[-2]
+                kind = type(parent[ELEMENT])
+                if kind is REPEAT:
+                    self._fast = parent
+                elif kind is SEQ and len(stack) > 2 and type(stack[-3][ELEMENT]) is REPEAT \
+                        and all(type(c).simple_leaf for c in parent[ELEMENT].elements):
+                    self._fastseq = (stack[-3], parent)
+        else:
+            self._leaf = el.bind(self, stack[-1])
+        return True
+
+    def _after_leaf(self, value: Any) -> None:
+        stack = self._stack
+        if not self._weave and len(stack) > 1:
+            fr = stack[-2]
+            if type(fr[ELEMENT]) is SEQ:  # the next sibling is a plain leaf: move to it directly
+                elements = fr[ELEMENT].elements
+                pos = fr[SEQ_POS] + 1
+                if pos < len(elements):
+                    nxt = elements[pos]
+                    if type(nxt).simple_leaf:
+                        # what settling would do: the SEQ moves on (its children's values are dropped)
+                        self.steps += 1
+                        fr[SEQ_POS] = pos
+                        stack[-1] = [nxt]
+                        self._leaf = self._fast = self._fastseq = self._fresh = None
+                        try:
+                            self._leaf = leaf_function(nxt, self.registers)
+                        except Exception:  # retried, and raised, by the next step's _prepare
+                            pass
+                        return
+        self.steps += 1
+        self._fresh = None
+        self._stack.pop()
+        self._carry = value
+        self._ready = False
+        self._leaf = self._fast = self._fastseq = None
+        if self._weave:
+            credit_weaves(self)
+        try:
+            self._prepare()
+        except Exception:
+            # Retried, and raised, at the start of the next step: this step did run its leaf.
+            pass
+
+    def _after_poll(self) -> None:
+        """A leaf polled something still running: one step, the leaf stays where it is."""
+        self.steps += 1
+        self._fresh = None
+        if self._weave:
+            credit_weaves(self)
+            if self._rotate:
+                self._ready = False
+                self._leaf = self._fast = self._fastseq = None
+                try:
+                    self._prepare()
+                except Exception:
+                    pass
+
+    def _running_error(self, err: BaseException) -> BaseException:
+        """err raised by the leaf on top, annotated; a register the leaf reads that holds no value (the
+        KeyError of its lookup) becomes a RegisterError naming it.  The error of a move (settling into
+        the leaf), which frames.settle annotated, is left as it is."""
+        if self.__dict__.pop("_move_error", None) is err:
+            return err
+        el = self._stack[-1][ELEMENT] if self._stack else None
+        if (isinstance(err, KeyError) and not isinstance(err, RegisterError) and el is not None and err.args
+                and isinstance(err.args[0], str) and err.args[0] not in self.registers
+                and any(r.name == err.args[0] for r in el.own_reads())):
+            from ..program.printer import describe
+
+            name = err.args[0]
+            new = RegisterError(f"register {name!r} holds no value when {describe(el)} reads it", name)
+            new.__cause__, new.__suppress_context__ = err, True
+            err = new
+        self._annotate(err, "running")
+        return err
+
+    def _annotate(self, err: BaseException, doing: str) -> None:
+        try:
+            path, fr = self.frame_paths()[-1] if self._stack else ((), [self.program])
+            from ..program.printer import describe
+
+            where = format_path(path) or "<root>"
+            err.add_note(f"flowvm: while {doing} {describe(fr[ELEMENT])} at path '{where}' (step {self.steps + 1})")
+            if isinstance(err, (RegisterError, SwitchError)) and not err.path:
+                err.path = format_path(path)
+            err._flowvm_noted = True
+        except Exception:  # pragma: no cover - never hide the user's error
+            pass
+
+
+provide("start", Driver)  # Element.start()
+DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()  # drivers started in this process (see flowvm.machine.running)
+
+
+def _root_copy(program: Element) -> Element:
+    """A new root object with the same fields and caches (compiled functions stay shared)."""
+    root = object.__new__(type(program))
+    root.__dict__.update(program.__dict__)
+    if "_overrides" in root.__dict__:  # its own table: overrides set on the program later do not reach the run
+        root.__dict__["_overrides"] = dict(root.__dict__["_overrides"])
+    return root
+
+
+def _step_limit(steps: int, max_steps) -> float:
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral)
+                                  or max_steps < 0):
+        raise ValueError(f"max_steps must be None or an int >= 0, got {max_steps!r}")
+    return float("inf") if max_steps is None else steps + max_steps
+
+
+def _deadline(timeout) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    return monotonic() + float(timeout)
+
+
+def has_weave(program: Element) -> bool:
+    """Whether the driver runs a WEAVE (fragments inside other leaves, such as a SPAWN's, do not count)."""
+    todo = [program]
+    while todo:
+        el = todo.pop()
+        if type(el) is WEAVE:
+            return True
+        if not el.is_leaf:
+            todo.extend(el.children)
+    return False

@@ -1,0 +1,448 @@
+"""Frames: the run state of each active element, the one module that knows their layout, and the moves
+through them (entering and leaving each element kind, settling to the next leaf, WEAVE turns).
+
+A frame is a list whose item 0 is the element; the rest are that element's counters.  Lists keep a run
+plain data (it pickles, copies and compares as such) and cheap to step.  A frame of length 1 is
+*unstarted* for a container and *ready* for a leaf.  A driver's ``_stack`` holds the frames of the active
+elements, outermost first; a WEAVE frame holds the frames of its paused children as *segments*, and its
+active child's frames sit on the stack above it.  Every other module reads frames through this one:
+``walk`` (every frame of a run, paused ones included), ``child_index``, ``comment`` and the named slots.
+
+Layouts (slot 0 is always the element)::
+
+    SEQ     [el, pos]
+    REPEAT  [el, i, n, last]
+    BUFFER  [el, i, n, values]
+    LOOP    [el, steps_at_iteration_start, iterations]
+    WHILE   [el, phase (0: condition, 1: body), last, iterations]
+    SWITCH  [el, child_index]
+    WEAVE   [el, active, segments, finished, values, credits, n_finished, rotate_due]
+
+A move that failed twice appends a marker past these slots (see ``_failed_again``).
+
+The moves: ``START[kind](drv, frame)`` enters a container, ``NEXT[kind](drv, frame, value)`` takes the
+value of its finished child.  Each returns ``PUSHED`` after pushing the next child's frame, or the
+container's own value when it is finished.  (The moves, here beside the layouts, index frames by number:
+they run on every step of the general path.  Every other module uses the named slots below.)
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from typing import Any, Callable, Iterator
+
+from ..program.elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from ..base.errors import FlowError, RegisterError, SwitchError
+from ..program.registers import Register
+from ..base.sentinels import NOVALUE, PUSHED
+
+# the named slots
+ELEMENT = 0  # of every frame
+SEQ_POS = 1
+REPEAT_I, REPEAT_N, REPEAT_LAST = 1, 2, 3
+BUFFER_I, BUFFER_N, BUFFER_VALUES = 1, 2, 3
+LOOP_START_STEPS, LOOP_ITERATIONS = 1, 2
+WHILE_PHASE, WHILE_LAST, WHILE_ITERATIONS = 1, 2, 3
+SWITCH_CHILD = 1
+WEAVE_ACTIVE, WEAVE_SEGMENTS, WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS, WEAVE_DONE, WEAVE_ROTATE = range(1, 8)
+
+
+def walk(chain: list, key: Callable[[Any], list] | None = None, path: tuple[int, ...] = (),
+         paused: bool = False) -> Iterator[tuple[tuple[int, ...], list, int, bool]]:
+    """(path, chain, index, paused) for every frame of a run: those of chain (a driver's ``_stack``),
+    outermost first, each WEAVE's paused children right after the WEAVE (recursively); ``paused`` tells
+    the frames of paused children.  ``key(item)`` gives the frame of an item of chain (default: the item
+    itself), for working copies that wrap frames."""
+    for k, item in enumerate(chain):
+        fr = item if key is None else key(item)
+        if k:
+            prev = chain[k - 1] if key is None else key(chain[k - 1])
+            path = path + (child_index(prev),)
+        yield path, chain, k, paused
+        if type(fr[0]) is WEAVE and len(fr) > 1:
+            for j, seg in enumerate(fr[WEAVE_SEGMENTS]):
+                if seg:
+                    yield from walk(seg, key, path + (j,), True)
+
+
+def comment(fr: list) -> str:
+    """The counters of a started frame, in words ("3 of 10 done"), for listings; "" for others."""
+    el = fr[0]
+    if len(fr) == 1:
+        return ""
+    if isinstance(el, (REPEAT, BUFFER)):
+        return f"{fr[REPEAT_I]} of {fr[REPEAT_N]} done"
+    if isinstance(el, LOOP):
+        return f"{fr[LOOP_ITERATIONS]} iterations done"
+    if isinstance(el, WHILE):
+        return f"{fr[WHILE_ITERATIONS]} iterations done" + (", testing condition" if fr[WHILE_PHASE] == 0 else "")
+    if isinstance(el, SEQ):
+        return f"at {fr[SEQ_POS] + 1} of {len(el.elements)}"
+    if isinstance(el, WEAVE):
+        return f"{fr[WEAVE_DONE]} of {el.required} required finished, turn of {fr[WEAVE_ACTIVE]}"
+    return ""
+
+
+def marks(stack: list) -> dict:
+    """Gutter marks for a listing of a run: '>>' at the next leaf, '..' where paused WEAVE children
+    resume, and each started frame's counters as a comment."""
+    out: dict = {}
+    for path, chain, k, paused in walk(stack):
+        fr = chain[k]
+        note = comment(fr)
+        if k == len(chain) - 1:
+            out[path] = (".." if paused else ">>", note or ("not started" if not fr[0].is_leaf else ""))
+        elif note and path not in out:
+            out[path] = ("", note)
+    return out
+
+
+def child_index(fr: list) -> int:
+    """Index (in ``children``) of the child a started container frame is running."""
+    kind = type(fr[0])
+    if kind is SEQ or kind is SWITCH or kind is WEAVE:
+        return fr[1]
+    if kind is WHILE:
+        return fr[1]
+    return 0
+
+
+def read_register(drv, reg: Register, what: str) -> Any:
+    try:
+        return drv.registers[reg.name]
+    except KeyError:
+        raise RegisterError(f"{what}: register {reg.name!r} holds no value", reg.name) from None
+
+
+def _count(drv, el: Element) -> int:
+    n = el.n
+    if isinstance(n, Register):
+        n = read_register(drv, n, f"{el.kind} count")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{el.kind} count register {el.n.name!r} holds {type(n).__name__} {n!r:.60}, "
+                            "expected an int >= 0")
+        if n < 0:
+            raise ValueError(f"{el.kind} count register {el.n.name!r} holds {n}, expected an int >= 0")
+        n = int(n)
+    return n
+
+
+def _start_seq(drv, fr):
+    el = fr[0]
+    if not el.elements:
+        return None
+    fr.append(0)
+    drv._stack.append([el.elements[0]])
+    return PUSHED
+
+
+def _next_seq(drv, fr, value):
+    el = fr[0]
+    pos = fr[1] + 1
+    if pos == len(el.elements):
+        return value
+    fr[1] = pos
+    drv._stack.append([el.elements[pos]])
+    return PUSHED
+
+
+def _start_repeat(drv, fr):
+    el = fr[0]
+    n = _count(drv, el)
+    if el.counter is not None:
+        drv.registers[el.counter.name] = 0
+    if n == 0:
+        return None
+    fr.extend((0, n, None))
+    drv._stack.append([el.body])
+    return PUSHED
+
+
+def _next_repeat(drv, fr, value):
+    el = fr[0]
+    i = fr[1] = fr[1] + 1
+    fr[3] = value
+    if el.counter is not None:
+        drv.registers[el.counter.name] = i
+    if i < fr[2]:
+        drv._stack.append([el.body])
+        return PUSHED
+    return value
+
+
+def _start_buffer(drv, fr):
+    el = fr[0]
+    n = _count(drv, el)
+    if n == 0:
+        return _store(drv, el, [])
+    fr.extend((0, n, []))
+    drv._stack.append([el.body])
+    return PUSHED
+
+
+def _next_buffer(drv, fr, value):
+    el = fr[0]
+    fr[3].append(value)
+    i = fr[1] = fr[1] + 1
+    if i < fr[2]:
+        drv._stack.append([el.body])
+        return PUSHED
+    return _store(drv, el, collect(fr[3]))
+
+
+def _store(drv, el, value):
+    if el.store_to is not None:
+        drv.registers[el.store_to.name] = value
+    return value
+
+
+def collect(values: list) -> Any:
+    """BUFFER's value: one stacked numpy array or torch tensor when possible, else the list."""
+    if not values:
+        return values
+    np = sys.modules.get("numpy")
+    if np is not None and all(isinstance(v, (np.ndarray, np.generic)) for v in values):
+        if len({np.shape(v) for v in values}) == 1:
+            return np.stack(values)
+        return values
+    torch = sys.modules.get("torch")
+    if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
+        if len({tuple(v.shape) for v in values}) == 1:
+            return torch.stack(values)
+    return values
+
+
+def _start_loop(drv, fr):
+    fr.extend((drv.steps, 0))
+    drv._stack.append([fr[0].body])
+    return PUSHED
+
+
+def _failed_again(fr: list, size: int, err: Exception) -> bool:
+    """A move out of fr failed: whether it had failed before with the same value.
+
+    The first failure comes right after the leaf that produced the value (and is raised at the start of
+    the next step, which retries the move); the retry that raises it marks the frame to be re-entered,
+    so that the step after it recomputes what failed (the cause may have been fixed meanwhile)."""
+    if len(fr) == size:
+        fr.append(True)
+        return False
+    del fr[size:]
+    err._flowvm_rewound = True  # the settle's caller: nothing to carry, the next step starts afresh
+    return True
+
+
+def _next_loop(drv, fr, value):
+    if drv.steps == fr[1]:
+        err = FlowError("LOOP body finished an iteration without taking a step; it would spin forever "
+                        "(does a REPEAT or BUFFER count in it hold 0?)")
+        if _failed_again(fr, 3, err):
+            fr[1] = drv.steps  # the next step enters the body again, reading its counts anew
+            drv._stack.append([fr[0].body])
+        raise err
+    del fr[3:]
+    fr[1] = drv.steps
+    fr[2] += 1
+    drv._stack.append([fr[0].body])
+    return PUSHED
+
+
+def _start_while(drv, fr):
+    fr.extend((0, None, 0))
+    drv._stack.append([fr[0].cond])
+    return PUSHED
+
+
+def _next_while(drv, fr, value):
+    el = fr[0]
+    if fr[1] == 0:
+        if value:
+            fr[1] = 1
+            drv._stack.append([el.body])
+            return PUSHED
+        return fr[2]
+    fr[2] = value
+    fr[3] += 1
+    fr[1] = 0
+    drv._stack.append([el.cond])
+    return PUSHED
+
+
+def _switch_case(el: SWITCH, value: Any) -> int:
+    idx = el.case_index(value)
+    if idx < 0:
+        cases = ", ".join(repr(k) for k in el.cases)
+        raise SwitchError(f"SWITCH has no case for selector value {value!r:.80} (cases: {cases}) and no default",
+                          value)
+    return idx
+
+
+def _start_switch(drv, fr):
+    el = fr[0]
+    if isinstance(el.selector, CALL):
+        fr.append(0)
+        drv._stack.append([el.selector])
+        return PUSHED
+    idx = _switch_case(el, read_register(drv, el.selector, "SWITCH selector"))
+    fr.append(idx)
+    drv._stack.append([el.children[idx]])
+    return PUSHED
+
+
+def _next_switch(drv, fr, value):
+    el = fr[0]
+    if fr[1] == 0 and isinstance(el.selector, CALL):
+        try:
+            idx = _switch_case(el, value)
+        except SwitchError as err:
+            if _failed_again(fr, 2, err):
+                drv._stack.append([el.selector])  # the next step runs the selector again
+            raise
+        del fr[2:]
+        fr[1] = idx
+        drv._stack.append([el.children[idx]])
+        return PUSHED
+    return value
+
+
+def weave_pick(fr: list, start: int) -> int:
+    """The child whose turn comes next, from index start on, giving each skipped child its credit."""
+    el = fr[0]
+    n = len(el.elements)
+    finished = fr[WEAVE_FINISHED]
+    credits = fr[WEAVE_CREDITS]
+    weights = el.weights
+    j = start % n
+    while True:
+        if not finished[j]:
+            credits[j] += weights[j] if weights is not None else 1
+            if credits[j] >= 1:
+                return j
+        j = (j + 1) % n
+
+
+def _start_weave(drv, fr):
+    el = fr[0]
+    n = len(el.elements)
+    if el.required == 0:
+        return [None] * n
+    fr.extend((0, [[[c]] for c in el.elements], [False] * n, [None] * n, [0] * n, 0, False))
+    a = weave_pick(fr, 0)
+    fr[WEAVE_ACTIVE] = a
+    segs = fr[WEAVE_SEGMENTS]
+    drv._stack.extend(segs[a])
+    segs[a] = None
+    return PUSHED
+
+
+def _next_weave(drv, fr, value):
+    a = fr[WEAVE_ACTIVE]
+    fr[WEAVE_FINISHED][a] = True
+    fr[WEAVE_VALUES][a] = value
+    fr[WEAVE_CREDITS][a] = 0
+    fr[WEAVE_ROTATE] = False
+    fr[WEAVE_DONE] += 1
+    if fr[WEAVE_DONE] >= fr[0].required:
+        abandon(drv, fr)
+        return list(fr[WEAVE_VALUES])
+    b = weave_pick(fr, a + 1)
+    fr[WEAVE_ACTIVE] = b
+    segs = fr[WEAVE_SEGMENTS]
+    drv._stack.extend(segs[b])
+    segs[b] = None
+    return PUSHED
+
+
+def abandon(drv, fr) -> None:
+    """Tell the leaves of a finishing WEAVE's unfinished children that they are dropped."""
+    for seg in fr[WEAVE_SEGMENTS]:
+        for sub in seg or ():
+            el = sub[0]
+            if type(el) is WEAVE and len(sub) > 1:
+                abandon(drv, sub)
+            elif el.is_leaf and hasattr(el, "abandon"):
+                el.abandon(drv, sub)
+
+
+START = {SEQ: _start_seq, REPEAT: _start_repeat, BUFFER: _start_buffer, LOOP: _start_loop,
+          WHILE: _start_while, SWITCH: _start_switch, WEAVE: _start_weave}
+NEXT = {SEQ: _next_seq, REPEAT: _next_repeat, BUFFER: _next_buffer, LOOP: _next_loop,
+         WHILE: _next_while, SWITCH: _next_switch, WEAVE: _next_weave}
+
+
+# ------------------------------------------------------------------------ settling
+def settle(drv) -> None:
+    """Hand finished values up, take WEAVE turns, and descend to the next leaf."""
+    stack = drv._stack
+    value = drv._carry
+    nexts, starts, pushed, novalue = NEXT, START, PUSHED, NOVALUE
+    # The frames this settle starts: those of them right below the next leaf have taken no step
+    # yet, so a hot patch may rewind them (see _fresh and flowvm.editing.hotpatch).
+    entered: dict[int, list] = {}  # id -> frame (held, so that no id is reused meanwhile)
+    try:
+        while True:
+            if value is not novalue:
+                if not stack:
+                    drv.done = True
+                    drv.result = value
+                    drv._carry = novalue
+                    drv._ready = True
+                    return
+                fr = stack[-1]
+                r = nexts[fr[0].__class__](drv, fr, value)
+            else:
+                if drv._rotate:
+                    rotate_weaves(drv)
+                fr = stack[-1]
+                el = fr[0]
+                if el.is_leaf:
+                    drv._carry = novalue
+                    drv._ready = True
+                    fresh = len(stack) - 1
+                    while fresh and id(stack[fresh - 1]) in entered:
+                        fresh -= 1
+                    drv._fresh = fresh
+                    return
+                entered[id(fr)] = fr
+                r = starts[el.__class__](drv, fr)
+            if r is pushed:
+                value = novalue
+            else:
+                stack.pop()
+                value = r
+    except Exception as err:
+        # the move that failed is retried from here; or the frame it failed in was re-entered
+        drv._carry = NOVALUE if getattr(err, "_flowvm_rewound", False) else value
+        if not getattr(err, "_flowvm_noted", False):
+            drv._annotate(err, "finishing" if value is not novalue else "entering")
+        drv._move_error = err  # for _running_error, the step's handler (a cache: never pickled)
+        raise
+
+def credit_weaves(drv) -> None:
+    """After a leaf: every WEAVE around it counts one step of its active child's turn."""
+    for fr in drv._stack:
+        if type(fr[0]) is WEAVE:
+            credits = fr[WEAVE_CREDITS]
+            a = fr[WEAVE_ACTIVE]
+            credits[a] -= 1
+            if credits[a] < 1:
+                fr[WEAVE_ROTATE] = True
+                drv._rotate = True
+
+def rotate_weaves(drv) -> None:
+    """Hand the turn to the next child in every WEAVE whose active child used up its turn."""
+    drv._rotate = False
+    stack = drv._stack
+    for k in range(len(stack) - 1, -1, -1):
+        fr = stack[k]
+        if type(fr[0]) is WEAVE and len(fr) > 1 and fr[WEAVE_ROTATE]:
+            fr[WEAVE_ROTATE] = False
+            a = fr[WEAVE_ACTIVE]
+            segs = fr[WEAVE_SEGMENTS]
+            segs[a] = stack[k + 1:]
+            del stack[k + 1:]
+            b = weave_pick(fr, a + 1)
+            stack.extend(segs[b])
+            segs[b] = None
+            fr[WEAVE_ACTIVE] = b

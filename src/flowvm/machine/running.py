@@ -1,0 +1,58 @@
+"""The drivers alive in this process, for the tools that edit programs in place (flowvm.editing.edit): which
+driver runs an element now, which drivers are in the middle of a step, and dropping what live drivers
+derived from an element that was edited.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .driver import DRIVERS, Driver
+from ..program.elements import Element
+from .frames import ELEMENT
+from .frames import walk as walk_frames
+from ..program.paths import format_path, walk
+
+
+def running_in(el: Element) -> "tuple[Driver, str] | None":
+    """A live driver of this process with a started frame of el (a container in progress, a leaf that is
+    polling work it started), and that frame's path; else None.
+
+    Editing el in place (``flowvm.editing.edit``) would pull the children out from under such a frame.
+    """
+    for drv in list(DRIVERS):
+        if drv.done:
+            continue
+        live = drv.__dict__.get("_live") or {}
+        for path, chain, k, paused in walk_frames(drv._stack):
+            fr = chain[k]
+            if fr[ELEMENT] is el and (len(fr) > 1 or id(fr) in live):  # a container in progress, a polling leaf
+                return drv, "(a paused WEAVE child)" if paused else format_path(path)
+    return None
+
+
+def drivers_mid_step() -> "list[Driver]":
+    """The drivers whose step is running now in this thread, further up the call stack: an edit made from
+    there comes from one of their own CALLs.  Their tight loops keep the functions of the leaves they run,
+    and their frames are in the middle of a move, so such an edit is refused (flowvm.editing.edit)."""
+    codes = {Driver.step.__code__, Driver._drive.__code__}
+    found = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            drv = frame.f_locals.get("self")
+            if isinstance(drv, Driver) and drv not in found:
+                found.append(drv)
+        frame = frame.f_back
+    return found
+
+
+def refresh_drivers_holding(el: Element) -> None:
+    """el was edited in place (flowvm.editing.edit) while not running: drop what live drivers whose program
+    holds it derived from it (the next leaf's function, the fast paths, whether there is a WEAVE)."""
+    for drv in list(DRIVERS):
+        if drv.done or not any(x is el for _, x in walk(drv.program)):
+            continue
+        drv.invalidate()
+        if drv._ready and drv._stack and not drv._stack[-1][ELEMENT].is_leaf:
+            drv._ready = False  # the next leaf became a container: settle into it

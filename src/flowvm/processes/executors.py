@@ -1,0 +1,454 @@
+"""Where SPAWN fragments run: the default process pool, named executors, and the job a child runs.
+
+A SPAWN submits ``run_job(payload)`` to a ``concurrent.futures.Executor``.
+The payload is one pickle (flowvm's pickler: lambdas, closures and global
+generators by reference) of the fragment and the values of the registers it
+reads; the parent's register file itself never travels: the fragment's
+register references are rebuilt, in the child, over a fresh register file
+holding only those values.  The child runs the fragment with a fresh Driver
+and sends back its value and the registers it wrote, or the error it raised
+with its traceback text, as data: any exception the future itself raises is
+therefore a failure of the executor (a dead worker, a cancelled task).
+
+Executors:
+
+- ``None``: the default, one local process pool shared by all SPAWNs of this
+  process, created on first use (``forkserver`` start method where there is
+  one, else ``spawn``: never ``fork``, which is unsafe with threads around),
+  one worker per available core, its workers killed at interpreter exit.
+- any ``concurrent.futures.Executor`` instance, such as a Dask client's
+  ``client.get_executor()``.  An executor cannot be pickled, so a program
+  holding one pickles a reference to it, valid in this process only.
+- a name given to ``register_executor(name, executor)``: a program that
+  names its executor can be resumed in another process once that process
+  registers an executor under the same name.
+
+>>> register_executor("local", None)   # the name now means the default pool
+>>> executor_name("local"), executor_name(None)
+("'local'", 'default pool')
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+from ..pickled import stable
+from ..base.errors import SpawnError
+
+_lock = threading.RLock()
+_pool = None  # the default pool, created on first use
+_pool_pid = None  # the process that created it: a forked child must leave it alone
+_exit_hook_installed = False
+_retired: dict = {}  # former default pools -> their abandoned futures (killed when the rest is done, or at exit)
+_watched: dict = {}  # retired pools -> their futures that already have a _kill_when_idle callback
+_start_reports: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # default pools -> their start queue
+_started: dict[bytes, float] = {}  # task nonce -> when a worker started it (drained from the start queues)
+_awaited: set[bytes] = set()  # nonces of default-pool tasks whose SPAWN still waits on them
+_nonce_of: "weakref.WeakKeyDictionary[cf.Future, bytes]" = weakref.WeakKeyDictionary()  # default-pool tasks
+_moved: "weakref.WeakSet[cf.Future]" = weakref.WeakSet()  # tasks left unstarted on a retired pool
+_report_start = None  # in a default pool's worker: puts (nonce, start time) on the pool's start queue
+_named: dict[str, Any] = {}
+_by_token: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+
+
+def main_guard_hint() -> str:
+    """A hint when the main script lacks ``if __name__ == '__main__':`` (workers re-run an unguarded script)."""
+    import ast
+    import sys
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not str(path).endswith(".py"):
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return ""
+    return (f" Note: {path} has no `if __name__ == '__main__':` guard; each new worker process imports the main "
+            "script, so it runs the script's work again and fails: put that work under the guard.")
+
+
+# ----------------------------------------------------------------- executors
+def default_workers() -> int:
+    """Worker processes of the default pool: the cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def default_executor():
+    """The shared local process pool that SPAWNs without an executor use (created on first call)."""
+    global _pool, _pool_pid, _exit_hook_installed
+    with _lock:
+        if _pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            methods = multiprocessing.get_all_start_methods()
+            ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+            started = ctx.SimpleQueue()  # the workers tell when each task starts (Job.overdue, _move_unstarted)
+            _pool = ProcessPoolExecutor(max_workers=default_workers(), mp_context=ctx,
+                                        initializer=worker_setup, initargs=(os.getpid(), started))
+            _start_reports[_pool] = started
+            _pool_pid = os.getpid()
+            if not _exit_hook_installed:
+                # concurrent.futures joins its pools before atexit callbacks run, waiting for
+                # running work; this hook must run first, so it registers the same way, later.
+                register = getattr(threading, "_register_atexit", None)
+                try:
+                    (register or __import__("atexit").register)(shutdown_default_executor, kill=True)
+                except RuntimeError:  # pragma: no cover - interpreter already shutting down
+                    pass
+                # In a multiprocessing child (a fragment that SPAWNs), exiting joins the child's
+                # own children before either hook above runs: a finalizer runs before that join.
+                from multiprocessing import util
+
+                util.Finalize(None, shutdown_default_executor, kwargs={"kill": True}, exitpriority=100)
+                _exit_hook_installed = True
+        return _pool
+
+
+def worker_setup(parent: int, started=None) -> None:
+    """Run in each worker of the default pool when it starts; parent is the pid of the pool's owner,
+    started a queue on which run_job reports when a task with a timeout starts.
+
+    - Ctrl-C in a terminal signals the whole process group, workers included:
+      the parent decides what a SIGINT means (save and stop), so workers
+      ignore it and their fragments are not cut short.
+    - A worker exits when its parent is gone, even killed with SIGKILL, so
+      that no worker (nor the forkserver, which lives as long as a worker
+      does) is left behind running an abandoned fragment.
+    """
+    import signal
+
+    global _report_start
+    _report_start = started.put if started is not None else None
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while _alive(parent):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="flowvm-parent-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process pid runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # gone, or the pid is now another user's
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):  # not Linux
+        return True
+
+
+def shutdown_default_executor(kill: bool = False) -> None:
+    """Shut the default pool down (a later SPAWN makes a new one).
+
+    With kill=True its worker processes are killed at once, running fragments
+    included; this is what happens at interpreter exit, so that exiting never
+    waits for a fragment to finish.
+    """
+    global _pool
+    if _pool_pid is not None and os.getpid() != _pool_pid:
+        _forget_in_child()  # a forked child exiting: the pool and its workers are its parent's
+        return
+    with _lock:
+        pool, _pool = _pool, None
+        retired = list(_retired) if kill else []
+        for old in retired:
+            del _retired[old]
+            _watched.pop(old, None)
+    for old in retired:
+        _kill_pool(old)
+    if pool is None:
+        return
+    if kill:
+        _kill_pool(pool)
+    else:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _forget_in_child() -> None:
+    """In a forked child: the default pool belongs to the parent; a SPAWN here makes the child its own."""
+    global _pool, _pool_pid, _lock
+    _pool = _pool_pid = None
+    _retired.clear()
+    _watched.clear()
+    _lock = threading.RLock()  # the parent's may have been held by another thread at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _kill_pool(pool) -> None:
+    """Kill a process pool's workers, running fragments included, and close it.
+
+    ProcessPoolExecutor has no public way to stop running work before Python 3.14.
+    With its workers gone the pool's manager thread ends at once; it is waited
+    for, so that concurrent.futures' own exit hook finds the pool closed.
+    """
+    # Python 3.11's pool, finding its workers gone, sets an error on every task it still holds and
+    # fails (InvalidStateError, printed by its thread) on one that was cancelled: drop those first.
+    items = getattr(pool, "_pending_work_items", None)
+    if isinstance(items, dict):
+        for work_id, item in list(items.items()):
+            if item.future.cancelled():
+                items.pop(work_id, None)
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        try:
+            proc.kill()
+        except Exception:  # pragma: no cover - already gone
+            pass
+    manager = getattr(pool, "_executor_manager_thread", None)
+    try:
+        pool.shutdown(wait=False, cancel_futures=True)
+    except Exception:  # pragma: no cover
+        pass
+    if manager is not None:
+        manager.join(timeout=5)
+
+
+def retire_running(executor, future: cf.Future | None = None) -> None:
+    """future, a fragment running in the default pool, was abandoned (timeout, WEAVE): stop it taking a
+    worker.
+
+    A process pool cannot stop one running task, and killing a worker breaks
+    the whole pool.  So the pool stops being the default (the next SPAWN gets a
+    fresh one); it is killed as soon as every task on it that was not abandoned
+    is done (at once when there is none), or at exit.
+    """
+    global _pool
+    with _lock:
+        if executor is None:
+            return
+        if executor is _pool:
+            _pool = None
+            _retired[executor] = set()
+        elif executor not in _retired:
+            return
+        if future is not None:
+            _retired[executor].add(future)
+        _move_unstarted(executor)
+    _kill_when_idle(executor)
+
+
+def _move_unstarted(pool) -> None:
+    """The tasks of a retired pool that no worker has started may wait there behind abandoned ones for
+    ever: they are cancelled where possible and marked moved, and their SPAWNs submit them again to the
+    fresh default pool (a task that starts on the old pool meanwhile runs twice: at least once)."""
+    reports = _start_reports.get(pool)
+    if reports is None:
+        return
+    _drain(reports)
+    abandoned = _retired[pool]
+    for item in list((getattr(pool, "_pending_work_items", None) or {}).values()):
+        fut = item.future
+        nonce = _nonce_of.get(fut)
+        if fut in abandoned or fut.done() or nonce is None or nonce in _started:
+            continue
+        fut.cancel()  # refused for the one a pool has queued for a worker already: it is left behind
+        _moved.add(fut)
+        abandoned.add(fut)
+
+
+def _kill_when_idle(pool) -> None:
+    """Kill a retired pool if only abandoned tasks are left on it; else look again when one finishes."""
+    with _lock:
+        abandoned = _retired.get(pool)
+        if abandoned is None:
+            return
+        items = list((getattr(pool, "_pending_work_items", None) or {}).values())
+        others = [wi.future for wi in items if wi.future not in abandoned and not wi.future.done()]
+        if not others:
+            del _retired[pool]
+        watched = _watched.setdefault(pool, set())
+        fresh = [f for f in others if f not in watched]
+        watched.update(fresh)
+    if others:
+        for f in fresh:  # one callback per task; callbacks run on the pool's own thread, which _kill_pool joins
+            f.add_done_callback(lambda _, pool=pool: threading.Thread(target=_kill_when_idle, args=(pool,),
+                                                                       daemon=True).start())
+        return
+    _watched.pop(pool, None)
+    _kill_pool(pool)
+
+
+def discard_broken(executor) -> None:
+    """Forget the default pool if executor is it (a broken pool takes no more work)."""
+    global _pool
+    with _lock:
+        if executor is not None and executor is _pool:
+            _pool = None
+        else:
+            return
+    try:
+        executor.shutdown(wait=False, cancel_futures=True)
+    except Exception:  # pragma: no cover
+        pass
+
+
+def register_executor(name: str, executor) -> None:
+    """Make ``SPAWN(..., executor=name)`` run on executor in this process (None: the default pool).
+
+    Register the name again in a process that loads a checkpoint of such a
+    program before resuming it.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"executor name must be a non-empty str, got {name!r}")
+    if executor is not None:
+        executor = check_executor(executor, f"register_executor({name!r})")
+    _named[name] = executor
+
+
+def check_executor(executor, owner: str):
+    """executor itself if it can run jobs; a Dask Client becomes its executor."""
+    if isinstance(executor, cf.Executor):
+        return executor
+    get = getattr(executor, "get_executor", None)
+    if callable(get):  # dask.distributed.Client: its submit() does not return concurrent.futures
+        return get()
+    if not callable(getattr(executor, "submit", None)):
+        raise TypeError(f"{owner}: executor must be a concurrent.futures.Executor, a name given to "
+                        f"flowvm.register_executor, or None; got {type(executor).__name__}")
+    return executor
+
+
+def executor_token(executor) -> str:
+    """A process-local reference to an executor instance, written in its place when a program is pickled."""
+    token = f"{type(executor).__name__}@{id(executor):x}"
+    _by_token[token] = executor
+    return token
+
+
+@stable("flowvm.pickled")
+class ExecutorRef:
+    """An executor instance as pickled: found again by token in the process that pickled it."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def __reduce__(self):
+        return ExecutorRef, (self.token,)
+
+    def __repr__(self):
+        return f"<executor {self.token}>"
+
+
+def executor_name(spec) -> str:
+    if spec is None:
+        return "default pool"
+    if isinstance(spec, str):
+        return repr(spec)
+    if isinstance(spec, ExecutorRef):
+        return spec.token.split("@")[0]
+    return type(spec).__name__
+
+
+def resolve_executor(spec):
+    """The executor a SPAWN's executor field stands for, in this process."""
+    if spec is None:
+        return default_executor()
+    if isinstance(spec, str):
+        try:
+            executor = _named[spec]
+        except KeyError:
+            known = ", ".join(repr(k) for k in sorted(_named)) or "none"
+            raise SpawnError(f"no executor is registered under the name {spec!r} in this process "
+                             f"(registered: {known}); call flowvm.register_executor({spec!r}, ...) "
+                             "before running or resuming the program") from None
+        return default_executor() if executor is None else executor
+    if isinstance(spec, ExecutorRef):
+        executor = _by_token.get(spec.token)
+        if executor is None:
+            raise SpawnError(f"the SPAWN's executor ({spec.token.split('@')[0]}) was pickled by reference and "
+                             "does not exist in this process; to resume in another process, register it with "
+                             "flowvm.register_executor(name, executor) and build the SPAWN with "
+                             "executor=name")
+        return executor
+    return spec
+
+
+# ----------------------------------------------------------------- start reports
+def _drain(reports) -> None:
+    """Move a default pool's start reports into _started (the caller holds _lock)."""
+    try:
+        while not reports.empty():
+            n, t = reports.get()
+            if n in _awaited:  # else its SPAWN is already over
+                _started[n] = t
+    except (OSError, EOFError, ValueError):  # the pool is gone
+        pass
+
+
+def _start_of(reports, nonce: bytes | None) -> float | None:
+    """When a default-pool worker started the task with this nonce (None: not yet), from its reports."""
+    with _lock:
+        _drain(reports)
+        return _started.get(nonce)
+
+
+def _forget(nonce: bytes | None) -> None:
+    """The task is over for its SPAWN (finished, cancelled, dropped): its start report is not needed."""
+    _started.pop(nonce, None)
+    _awaited.discard(nonce)
+
+
+def expect_start(executor, nonce: bytes) -> bool:
+    """A task with this nonce is being submitted to executor: keep its start report when one comes (a
+    default pool's workers report their tasks' starts).  Whether executor reports starts."""
+    if executor in _start_reports:
+        _awaited.add(nonce)  # before the worker can report its start
+        return True
+    return False
+
+
+def track(executor, future: cf.Future, nonce: bytes | None) -> None:
+    """Remember which nonce a default-pool future runs (for moving unstarted tasks off a retired pool)."""
+    if nonce is not None and executor in _start_reports:
+        _nonce_of[future] = nonce
+
+
+def started_at(executor, nonce: bytes | None) -> tuple[bool, float | None]:
+    """(whether executor reports starts, when the task with this nonce started there or None)."""
+    reports = _start_reports.get(executor)
+    if reports is None:
+        return False, None
+    return True, _start_of(reports, nonce)
+
+
+def forget(nonce: bytes | None) -> None:
+    """The task is over for its SPAWN (finished, cancelled, dropped): its start report is not needed."""
+    _forget(nonce)
+
+
+def was_moved(future: cf.Future) -> bool:
+    """Whether the task was left unstarted on a retired pool (its SPAWN submits it again)."""
+    return future in _moved
+
+
+def report_start(nonce: bytes) -> None:
+    """In a default pool's worker: tell the parent that the task with this nonce starts now."""
+    if _report_start is not None:
+        _report_start((nonce, time.monotonic()))
+
+
+def executor_by_token(token: str):
+    """The executor a pickled ExecutorRef names, if it lives in this process; else None."""
+    return _by_token.get(token)

@@ -1,0 +1,247 @@
+"""A SPAWN fragment's job: the payload the parent submits, what the child runs (``run_job``), and the
+parent's live handle (``Job``).  Where jobs run (the default pool, named executors) is flowvm.processes.executors;
+the wire format is described there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import os
+import pickle
+import socket
+import time
+import traceback
+import weakref
+from typing import Any
+
+from ..base.errors import SpawnError, SpawnTimeout
+from .executors import (discard_broken, executor_name, expect_start, forget, main_guard_hint, report_start,
+                        resolve_executor, retire_running, started_at, track, was_moved)
+from ..persist.pickler import Pickler, pickle_bytes
+from ..program.registers import Registers
+
+
+class _JobPickler(Pickler):
+    """flowvm's pickler (as in checkpoints), writing the parent's register file as a placeholder."""
+
+    def __init__(self, buf, registers: Registers):
+        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self._registers = registers
+
+    def persistent_id(self, obj):
+        return "flowvm.registers" if obj is self._registers else None
+
+
+def job_payload(fragment, registers: Registers, names, nonce: bytes | None = None) -> bytes:
+    """The bytes a child needs: fragment, the values of the named registers, a nonce.
+
+    The nonce makes every submission unique, so executors that deduplicate
+    identical tasks (Dask) never merge two SPAWNs or a resubmission.
+    """
+    shipped = {n: registers[n] for n in names if n in registers}
+    buf = io.BytesIO()
+    try:
+        _JobPickler(buf, registers).dump((fragment, shipped, nonce or os.urandom(8)))
+    except Exception as err:
+        for name, value in shipped.items():  # name the register at fault, when one is
+            try:
+                _JobPickler(io.BytesIO(), registers).dump(value)
+            except Exception:
+                raise SpawnError(f"register {name!r}, which the fragment reads, cannot be pickled to send it "
+                                 f"to the other process ({type(err).__name__}: {err}); hold such objects "
+                                 "(locks, open files) in the fragment itself") from err
+        raise SpawnError(f"the fragment cannot be pickled to send it to the other process "
+                         f"({type(err).__name__}: {err})") from err
+    return buf.getvalue()
+
+
+class _TrackingRegisters(Registers):
+    """The child's register file: remembers which registers were written."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: set[str] = set()
+
+    def __setitem__(self, name, value):
+        self.written.add(name)
+        dict.__setitem__(self, name, value)
+
+
+class _JobUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, registers: Registers):
+        super().__init__(io.BytesIO(data))
+        self._registers = registers
+
+    def persistent_load(self, pid):
+        if pid == "flowvm.registers":
+            return self._registers
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+def run_job(payload: bytes, timeout: float | None = None) -> bytes:
+    """Run in the child: the fragment over the shipped registers; its outcome as bytes.
+
+    ("ok", value, written registers) or ("error", exception or None, traceback text, where).
+    With timeout, a fragment still running that long after it started here is stopped at its next
+    step boundary, and one that took longer is a SpawnTimeout too.
+    """
+    from ..program.analysis import writes
+    from ..machine.driver import INCOMPLETE, Driver
+
+    where = f"process {os.getpid()} on {socket.gethostname()}"
+    try:
+        registers = _TrackingRegisters()
+        fragment, shipped, nonce = _JobUnpickler(payload, registers).load()
+        report_start(nonce)  # the parent counts a timeout from here, and leaves started tasks be
+        dict.update(registers, shipped)
+        drv = Driver(fragment)
+        started = time.monotonic()
+        value = drv.run(timeout=timeout)
+        took = time.monotonic() - started
+        if timeout is not None and (value is INCOMPLETE or took > timeout):
+            how = f"stopped after {drv.steps} steps" if value is INCOMPLETE else f"finished after {took:.2f} s"
+            raise SpawnTimeout(f"the fragment ran longer than the timeout of {timeout:g} s ({how}, in {where})")
+        names = sorted(writes(fragment) & registers.written)
+        outcome = ("ok", value, {n: registers[n] for n in names if n in registers})
+        try:
+            return pickle_bytes(outcome)
+        except Exception as err:
+            what = "its value"
+            for n in names:
+                try:
+                    pickle_bytes(registers[n])
+                except Exception:
+                    what = f"register {n!r}"
+                    break
+            raise SpawnError(f"the fragment finished but {what} cannot be pickled to send back: "
+                             f"{type(err).__name__}: {err}") from err
+    except BaseException as err:  # reported as data: the future itself only fails for executor reasons
+        text = "".join(traceback.format_exception(err))
+        try:
+            exc_bytes = pickle_bytes(err)
+            pickle.loads(exc_bytes)
+        except BaseException:
+            err = None
+        return pickle_bytes(("error", err, text, where))
+
+
+def decode_outcome(data: bytes):
+    return pickle.loads(data)
+
+
+# ----------------------------------------------------------------- the parent's handle
+def _cancel(future: cf.Future, nonce: bytes | None = None) -> None:
+    forget(nonce)
+    try:
+        future.cancel()
+    except Exception:  # pragma: no cover - never raise from a finalizer
+        pass
+
+
+class Job:
+    """A submitted SPAWN fragment: the live handle, cancelled when dropped."""
+
+    def __init__(self, future: cf.Future, executor, nonce: bytes | None = None):
+        self.future = future
+        self.executor = executor
+        self.nonce = nonce
+        self.running_since: float | None = None  # when the executor first reported the task running
+        self._finalizer = weakref.finalize(self, _cancel, future, nonce)
+        track(executor, future, nonce)
+
+    @classmethod
+    def submit(cls, fragment, spec, registers: Registers, timeout: float | None = None) -> "Job":
+        """Submit fragment, with the registers it reads, to the executor spec stands for (the worker
+        stops it at the first step boundary past timeout seconds of running, see run_job)."""
+        from ..program.analysis import reads
+
+        executor = resolve_executor(spec)
+        nonce = os.urandom(8)
+        payload = job_payload(fragment, registers, sorted(reads(fragment)), nonce)
+        expect_start(executor, nonce)
+        try:
+            future = executor.submit(run_job, payload, timeout)
+        except Exception as err:
+            forget(nonce)
+            discard_broken(executor)
+            raise SpawnError(f"the {executor_name(spec)} refused the fragment: "
+                             f"{type(err).__name__}: {err}") from err
+        return cls(future, executor, nonce)
+
+    def ready_future(self) -> cf.Future | None:
+        return self.future if isinstance(self.future, cf.Future) else None
+
+    def overdue(self, timeout: float) -> bool:
+        """Whether the task still runs twice its timeout and a second after it started: the worker stops
+        a fragment at a step boundary, so this one is inside a step that runs on.  Counted from its
+        start, so time queued behind other tasks is free.  The default pool's workers report the start;
+        other executors' futures say when they run (a user's process pool says so once a task is
+        queued for a worker, at most one task early); futures that never do, Dask's, rely on the
+        worker's check alone."""
+        now = time.monotonic()
+        if self.running_since is None:
+            reporting, since = started_at(self.executor, self.nonce)
+            if reporting:
+                self.running_since = since
+            elif self.future.running():
+                self.running_since = now
+            return False
+        return now - self.running_since > 2 * timeout + 1.0
+
+    def moved(self) -> bool:
+        """Whether the task was left unstarted on a retired pool: its SPAWN submits it again."""
+        return was_moved(self.future)
+
+    def drop(self) -> None:
+        """Forget a moved task (its copy on the retired pool is abandoned)."""
+        self._finalizer.detach()
+        forget(self.nonce)
+
+    def cancel(self) -> None:
+        """Cancel the task; one already running on the default pool retires that pool (see retire_running)."""
+        self._finalizer()
+        if not self.future.done() or self.future.running():
+            retire_running(self.executor, self.future)
+
+    def finish(self, spec, store_to, registers: Registers) -> Any:
+        """The fragment's value, its written registers merged into registers; or its error raised."""
+        self._finalizer.detach()
+        forget(self.nonce)
+        where = executor_name(spec)
+        try:
+            data = self.future.result()
+        except cf.CancelledError:
+            raise SpawnError(f"the fragment's task was cancelled by the {where} (a lost worker or a "
+                             "closed cluster?); the next step submits it again") from None
+        except Exception as err:
+            name = type(err).__name__
+            if isinstance(err, cf.BrokenExecutor) or name == "KilledWorker":
+                discard_broken(self.executor)
+                raise SpawnError(f"the worker process running the fragment died ({name}: {err}); killed by a "
+                                 f"signal or out of memory? The {where} "
+                                 + ("is replaced by a new one on the next SPAWN" if spec is None
+                                    else "may need replacing") + "." + main_guard_hint()) from err
+            raise SpawnError(f"the {where} failed to run the fragment: {name}: {err}") from err
+        try:
+            outcome = decode_outcome(data)
+        except Exception as err:
+            raise SpawnError(f"the fragment's outcome cannot be unpickled here ({type(err).__name__}: {err}); "
+                             "does it hold an object of a class this process cannot import?") from err
+        if outcome[0] == "error":
+            _, exc, text, host = outcome
+            note = f"flowvm: the SPAWN fragment failed in {host}; its traceback there:\n{text.rstrip()}"
+            if exc is None:
+                raise SpawnError(f"the fragment raised an exception that cannot be sent back\n{note}")
+            exc.add_note(note)
+            try:
+                exc.child_traceback = text
+            except Exception:  # pragma: no cover - exceptions with __slots__
+                pass
+            raise exc
+        _, value, written = outcome
+        for name, v in written.items():  # item by item: a SPAWN inside a fragment is tracked as a write
+            registers[name] = v
+        if store_to is not None:
+            registers[store_to.name] = value
+        return value
