@@ -1,4 +1,4 @@
-"""A numpy-only flowvm program and the child side of tests/test_cross_python.py.
+"""A numpy-only flowvm program and the child side of tests/persist/test_cross_python.py.
 
 The program is saved half-run by one CPython and finished by another, so everything it calls lives in
 this importable module (it pickles by reference, never as code objects, whose bytecode is private to

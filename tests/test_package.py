@@ -3,7 +3,6 @@ and every module's docstring examples pass."""
 
 import doctest
 import importlib
-import os
 import pkgutil
 import sysconfig
 from pathlib import Path

@@ -250,6 +250,18 @@ class Driver:
             return None
         return format_path(self.frame_paths()[-1][0])
 
+    @property
+    def fast_path(self) -> str | None:
+        """The tight loop the next steps of run() take, if any: "repeat-leaf" (a simple leaf repeated by its
+        REPEAT), "repeat-seq" (a SEQ of simple leaves repeated by a REPEAT), or None (the general path,
+        settling through the frames after each leaf).  For profiling a program's shape: the frames and
+        results are the same either way (docs/architecture.md)."""
+        if self._leaf is None or self.done:
+            return None
+        if self._fast is not None:
+            return "repeat-leaf"
+        return "repeat-seq" if self._fastseq is not None else None
+
     def frame_paths(self) -> list[tuple[tuple[int, ...], list]]:
         """(path, frame) for each frame on the active stack, outermost first."""
         out = []

@@ -1,5 +1,5 @@
 """The driver's fast paths: tight loops for the common shapes outside WEAVEs, which skip settling but
-leave exactly the frames settling would (tests/test_driver.py and the property tests compare them).
+leave exactly the frames settling would (tests/machine/test_driver.py and the property tests compare them).
 
 - ``repeat_leaf``: a simple leaf repeated by its REPEAT parent, up to (not including) its last iteration.
 - ``repeat_seq``: a SEQ of simple leaves repeated by a REPEAT (``run()`` only).

@@ -187,12 +187,12 @@ def test_switch_cases_and_weave_weights():
 
 
 def test_other_kinds_use_their_constructor_form():
-    from test_edit_namespaces import Opaque, Scaled
+    from toy import Opaque, Scaled
 
     reg = Registers(x=1)
     prog = SEQ([Scaled(CALL(toy.inc, reg("x"), store_to=reg("y")), 3, reg("z"))])
     text = to_source(prog)
-    assert "from test_edit_namespaces import Scaled" in text
+    assert "from toy import Scaled" in text
     assert "Scaled(CALL(inc, reg('x'), store_to=reg('y')), 3, store_to=reg('z'))" in text
     assert str(from_source(text)) == str(prog) and to_source(from_source(text)) == text
     with pytest.raises(SourceError, match="no source form for OPAQUE elements"):
@@ -225,7 +225,7 @@ def test_a_spawn_round_trips_with_its_fragment_and_shared_elements():
 
 
 def test_elements_in_list_arguments_are_written_as_elements_and_errors_name_their_path():
-    from test_edit_namespaces import Pick
+    from toy import Pick
 
     reg = Registers(x=1)
     step = CALL(toy.inc, reg("x"), store_to=reg("y"))

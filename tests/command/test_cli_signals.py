@@ -15,7 +15,7 @@ import pytest
 import flowvm
 from flowvm.testing import diff, outcome
 
-from test_cli import COMMAND, ROOT, flowvm_cmd, saved
+from toy import COMMAND, ROOT, flowvm_cmd, saved
 
 PROGRAMS = {
     # name: (build() options, --every)

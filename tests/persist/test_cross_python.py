@@ -55,7 +55,7 @@ import crosspy_program
 # A cold cache builds two venvs and downloads numpy for each; warm, the whole file takes seconds.
 pytestmark = pytest.mark.timeout(900)
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # the tests folder
 REPO = HERE.parent
 VERSIONS = ("3.12", "3.13")
 DEPENDENCIES = ("numpy", "cloudpickle", "tqdm")

@@ -10,6 +10,8 @@ import torch
 import flowvm
 from flowvm import CALL, REPEAT, SEQ, Registers
 from flowvm.testing import assert_same_run, outcome, same
+import os
+import toy
 
 
 def make_data(n=64):
@@ -91,7 +93,7 @@ def test_standard_pickle_of_a_half_run_training_loop_resumes_in_a_fresh_process(
     )
     out = tmp_path / "out.pkl"
     subprocess.run([sys.executable, "-c", script, str(path), str(out)], check=True, timeout=120,
-                   cwd=str(tmp_path), env={"PYTHONPATH": __import__("os").path.dirname(__file__),
+                   cwd=str(tmp_path), env={"PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), str(toy.TESTS)]),
                                            "PATH": "/usr/bin:/bin"})
     got = pickle.loads(out.read_bytes())
     exp = outcome(reference)

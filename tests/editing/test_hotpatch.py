@@ -7,7 +7,7 @@ from flowvm import BUFFER, CALL, INCOMPLETE, Element, PRINT, REPEAT, SEQ, SWITCH
 from flowvm.testing import COPIERS, diff, outcome
 
 import toy
-from test_leaf_protocol import Countdown
+from toy import Countdown
 
 
 def step_fn(w, x):
@@ -158,7 +158,7 @@ def test_fast_repeat_cache_is_dropped_so_the_next_step_runs_the_new_leaf():
     reg = Registers(x=0)
     drv = REPEAT(10, CALL(toy.inc, reg("x"), store_to=reg("x"))).start()
     drv.run(max_steps=3)
-    assert drv._fast is not None
+    assert drv.fast_path == "repeat-leaf"
     drv.find(toy.inc).replace_with(CALL(toy.mix, reg("x"), 0, k=2, store_to=reg("x")))
     assert drv.step() is INCOMPLETE and reg["x"] == 3 * 2 + 1
     drv.run()
@@ -223,10 +223,10 @@ def test_a_patch_that_fails_verification_leaves_the_driver_unchanged():
     prog, reg = fresh()
     drv = prog.start()
     drv.run(max_steps=5)
-    before = (str(drv), repr(drv._stack[-1]))
+    before = (str(drv), repr(drv.frame_paths()))
     with pytest.raises(flowvm.VerifyError, match="'never_written'"):
         drv.find(step_fn).insert_before(CALL(toy.inc, reg("never_written")))
-    assert (str(drv), repr(drv._stack[-1])) == before
+    assert (str(drv), repr(drv.frame_paths())) == before
     drv.run()
     assert data_registers(drv) == data_registers(unpatched())
 

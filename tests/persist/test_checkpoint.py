@@ -26,6 +26,7 @@ from flowvm import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE,
 from flowvm.persist import checkpoint as ckpt
 
 import toy as h
+import toy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SEED = 20240611
@@ -354,7 +355,7 @@ def resumed_in_subprocess(tmp_path_factory):
             flowvm.save(stopped_at(build, k), path)
             files.append(str(path))
     out = d / "out.pkl"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, str(toy.TESTS), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, "-c", "import sys, toy; toy.resume_main(sys.argv[1:])", *files, str(out)],
         env=env, capture_output=True, text=True, timeout=120, cwd=str(d),

@@ -3,35 +3,8 @@
 import pickle
 
 from flowvm import CALL, REPEAT, WEAVE, Registers
-from flowvm.machine.driver import INCOMPLETE, PENDING
-from flowvm.program.elements import Element
-
-
-class Countdown(Element):
-    """Polls `polls` times (PENDING) before finishing with the number of times it was started."""
-
-    kind = "COUNTDOWN"
-    is_leaf = True
-
-    def __init__(self, polls, log):
-        self._init(polls=polls, log=log)
-
-    def bind(self, drv, frame):
-        def leaf():
-            state = drv.live.get(id(frame))
-            if state is None:  # first poll of this activation, or after loading: start again
-                state = drv.live[id(frame)] = [self.polls]
-                self.log.append("start")
-            if state[0] > 0:
-                state[0] -= 1
-                return PENDING
-            del drv.live[id(frame)]
-            return self.log.count("start")
-        return leaf
-
-    def abandon(self, drv, frame):
-        drv.live.pop(id(frame), None)
-        self.log.append("abandoned")
+from flowvm import INCOMPLETE
+from toy import Countdown
 
 
 def test_a_pending_leaf_counts_each_poll_as_a_step_and_stays_in_place():

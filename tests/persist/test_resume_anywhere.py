@@ -24,14 +24,15 @@ from flowvm.persist import checkpoint as ckpt
 from flowvm import SettingsWarning
 from flowvm.base.environment import capture_random
 from flowvm.testing import COPIERS, assert_same_run, diff, outcome
+import toy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def in_fresh_process(how: str, source, tmp_path, *options) -> dict:
     out = tmp_path / "child-out.pkl"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, os.path.join(HERE, "resume_child.py"), how, str(source), str(out), *options],
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, str(toy.TESTS), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, str(toy.TESTS / "resume_child.py"), how, str(source), str(out), *options],
                    check=True, timeout=120, env=env, cwd=str(tmp_path))
     return pickle.loads(out.read_bytes())
 

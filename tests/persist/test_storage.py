@@ -30,7 +30,7 @@ from flowvm.persist import storage
 from flowvm.programs import pca
 from flowvm.testing import diff, outcome
 
-from test_cli import COMMAND, ROOT, flowvm_cmd, saved
+from toy import COMMAND, ROOT, flowvm_cmd, saved
 
 s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")

@@ -9,6 +9,7 @@ from flowvm import BUFFER, CALL, PRINT, REPEAT, SEQ, SWITCH, WEAVE, Registers, V
 from flowvm.editing.namespaces import Scope, collisions
 
 import toy
+from toy import Scaled, Opaque, Pick
 
 
 class Model:
@@ -115,69 +116,12 @@ def test_bad_namespaces_are_clear_errors():
         not_a_program()
 
 
-class Scaled(flowvm.Element):
-    """Another leaf kind with its own register and a child, rebuilt from its constructor form."""
-
-    kind = "SCALED"
-    is_leaf = True
-
-    def __init__(self, body, factor, store_to):
-        self._init(body=body, factor=factor, store_to=store_to)
-
-    @property
-    def children(self):
-        return (self.body,)
-
-    def with_children(self, children):
-        return Scaled(children[0], self.factor, self.store_to)
-
-    def own_writes(self):
-        return [self.store_to]
-
-    def __flowvm_source__(self):
-        return Scaled, (self.body, self.factor), {"store_to": self.store_to}
-
-
-class Opaque(flowvm.Element):
-    kind = "OPAQUE"
-    is_leaf = True
-
-    def __init__(self, target):
-        self._init(target=target)
-
-    def own_writes(self):
-        return [self.target]
-
-
 def test_other_kinds_are_renamed_through_their_constructor_form():
     reg = Registers(x=1)
     out = Scaled(CALL(toy.inc, reg("x"), store_to=reg("y")), 3, reg("z")).isolate("n")
     assert out.store_to.name == "n.z" and out.body.store_to.name == "n.y" and out.factor == 3
     with pytest.raises(TypeError, match="cannot rename the registers of a OPAQUE element"):
         Opaque(reg("x")).isolate("n")
-
-
-class Pick(flowvm.Element):
-    """A kind whose constructor takes a list of elements: they are renamed too."""
-
-    kind = "PICK"
-    is_leaf = True
-
-    def __init__(self, options, store_to):
-        self._init(options=tuple(options), store_to=store_to)
-
-    @property
-    def children(self):
-        return self.options
-
-    def with_children(self, children):
-        return Pick(children, self.store_to)
-
-    def own_writes(self):
-        return [self.store_to]
-
-    def __flowvm_source__(self):
-        return Pick, (list(self.options),), {"store_to": self.store_to}
 
 
 def test_elements_inside_constructor_arguments_are_renamed_and_shared_ones_stay_shared():

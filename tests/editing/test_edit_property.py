@@ -282,7 +282,8 @@ def test_any_edit_ahead_of_the_run_gives_the_run_of_the_edited_program(data):
     probe.run(max_steps=k)
     if probe.done:
         return
-    running = probe._stack[0][1] if len(probe._stack[0]) > 1 else -1  # the top-level SEQ's position
+    frames = probe.frame_paths()
+    running = frames[1][0][0] if len(frames) > 1 else -1  # the top-level SEQ's position
     ahead = [p for p, _ in walk(program) if p and p[0] > running]
     if not ahead:
         return

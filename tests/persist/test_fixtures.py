@@ -13,7 +13,7 @@ import flowvm
 from flowvm.pickled import LEGACY_NAMES, STABLE_MODULES
 from flowvm.testing import digest
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DIGESTS = json.loads((FIXTURES / "digests.json").read_text())
 
 

@@ -6,14 +6,11 @@ import fcntl
 import os
 import pty
 import select
-import shutil
 import struct
 import subprocess
-import sys
 import termios
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,32 +18,14 @@ import flowvm
 from flowvm.command.cli import bundled_programs, parse_sets
 from flowvm.command.runner import short_value, static_steps
 from flowvm.programs import pca
-from flowvm.testing import diff, outcome
-
-ROOT = Path(__file__).resolve().parent.parent
-FLOWVM = shutil.which("flowvm", path=os.path.dirname(sys.executable))
-COMMAND = [FLOWVM] if FLOWVM else [sys.executable, "-m", "flowvm"]
-
-
-def flowvm_cmd(*args, cwd=None, env=None, check=True, timeout=120) -> subprocess.CompletedProcess:
-    done = subprocess.run(COMMAND + [str(a) for a in args], capture_output=True, text=True, cwd=cwd or ROOT,
-                          env=env, timeout=timeout)
-    if check and done.returncode != 0:
-        raise AssertionError(f"flowvm {' '.join(map(str, args))} exited {done.returncode}:\n{done.stderr}")
-    return done
-
+from flowvm.testing import diff
+from toy import COMMAND, ROOT, flowvm_cmd, saved
 
 def kmeans_file() -> str:
     """The installed kmeans program's file: `flowvm run` takes a program by file name too."""
     from flowvm.programs import kmeans
 
     return kmeans.__file__
-
-
-def saved(path) -> dict:
-    drv = flowvm.load(path, restore_random=False)
-    assert drv.done
-    return outcome(drv)
 
 
 SMALL_PCA = ["--set", "batches=2", "--set", "samples=50", "--set", "dim=3", "--set", "components=2"]

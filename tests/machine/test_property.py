@@ -18,9 +18,10 @@ from flowvm.program.paths import walk
 from flowvm.testing import assert_same_run, diff, outcome
 
 import progen
+import toy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -82,7 +83,7 @@ def test_resume_in_fresh_subprocess(tmp_path, capsys):
         with open(sys.argv[1] + "/out.pkl", "wb") as f:
             pickle.dump(out, f)
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, str(toy.TESTS), ROOT, os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, env=env, capture_output=True)
     got = pickle.loads((tmp_path / "out.pkl").read_bytes())
     for seed in range(40):

@@ -17,6 +17,7 @@ from flowvm import (CALL, INCOMPLETE, LOOP, REPEAT, SEQ, SPAWN, SWITCH, WEAVE, R
 from flowvm.program.analysis import reads, writes
 from flowvm.processes.leaves import default_executor, register_executor, shutdown_default_executor
 from flowvm.processes.leaves import SpawnTimeout
+import toy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -281,7 +282,7 @@ def test_a_parent_killed_outright_leaves_no_worker_behind(tmp_path):
               "while True:\n"
               "    drv.step(); time.sleep(0.01)\n")
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, str(toy.TESTS), os.environ.get("PYTHONPATH", "")]))
     parent = subprocess.Popen([sys.executable, "-c", script, str(path)], env=env)
     try:
         end = time.monotonic() + 30
