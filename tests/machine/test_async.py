@@ -173,10 +173,32 @@ def test_arun_yields_to_the_event_loop_between_steps():
             await asyncio.sleep(0)
 
     async def main():
-        await asyncio.gather(drv.arun(), watcher())
+        await asyncio.gather(drv.arun(steps_per_yield=1), watcher())
 
     asyncio.run(main())
     assert seen[0] <= 1 and seen[:5] == list(range(seen[0], seen[0] + 5)) and len(seen) >= drv.steps - 1
+
+
+def test_arun_gives_the_loop_control_every_time_slice_not_every_step():
+    straight = counting_program(200_000).start()
+    straight.run()
+    drv = counting_program(200_000).start()
+    beats = []
+
+    async def heartbeat():
+        while not drv.done:
+            beats.append(drv.steps)
+            await asyncio.sleep(0.001)
+
+    async def main():
+        await asyncio.gather(drv.arun(), heartbeat())
+
+    asyncio.run(main())
+    assert same(outcome(drv), outcome(straight))
+    # the other task ran while the program did, between steps, and the driver did not yield at each step
+    assert len(beats) >= 2 and beats[1] < drv.steps and beats[1] - beats[0] > 1
+    with pytest.raises(ValueError, match="yield_every"):
+        asyncio.run(counting_program().start().arun(yield_every=0))
 
 
 def test_arun_awaits_a_running_command_instead_of_polling_it():
@@ -221,9 +243,9 @@ def test_arun_timeout_and_max_steps():
 
 
 def test_a_cancelled_arun_leaves_a_driver_that_finishes_exactly():
-    straight = counting_program().start()
+    straight = counting_program(500_000).start()
     straight.run()
-    drv = counting_program().start()
+    drv = counting_program(500_000).start()
 
     async def main():
         task = asyncio.create_task(drv.arun())
@@ -239,9 +261,9 @@ def test_a_cancelled_arun_leaves_a_driver_that_finishes_exactly():
 
 
 def test_another_task_can_checkpoint_between_steps(tmp_path):
-    straight = counting_program().start()
+    straight = counting_program(500_000).start()
     straight.run()
-    drv = counting_program().start()
+    drv = counting_program(500_000).start()
     path = tmp_path / "run.ckpt"
 
     async def saver():

@@ -56,9 +56,10 @@ from typing import Any
 
 from ..pickled import stable
 from .compile import leaf_function
-from .fastpaths import repeat_leaf, repeat_seq
+from . import fastpaths
+from .fastpaths import repeat_leaf, repeat_seq, repeat_woven
 from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, child_index, credit_weaves, marks,
-                     settle)
+                     settle, take_turn)
 from ..base.environment import apply_random, apply_settings, capture_random, capture_settings, check_settings
 from ..program.elements import REPEAT, SEQ, WEAVE, Element, provide, tool
 from ..base.errors import RegisterError, SwitchError
@@ -68,6 +69,9 @@ from ..program.registers import Registers
 from ..base.sentinels import INCOMPLETE, NOVALUE, PENDING
 
 
+
+
+YIELD_EVERY = 0.00025  # seconds: how often arun() gives the event loop control, by default
 
 
 @stable("flowvm")
@@ -124,23 +128,27 @@ class Driver:
     # and that have taken no step since (from there up to the next leaf); None: the leaf alone.
     _fresh = None
     _fastseq = None  # (REPEAT frame, SEQ frame) when the leaf is in a SEQ of plain leaves that a REPEAT repeats
+    _around = None  # the WEAVE frames on the stack, when there are any
+    _woven = None  # (WEAVE frames, REPEAT frame, SEQ frame or None): either shape above, inside WEAVEs
 
     # ------------------------------------------------------------------ public
     def step(self) -> Any:
         """Run one leaf action; return INCOMPLETE, or the program's value once it is finished."""
         try:
             fast = self._fast
-            if fast is not None and fast[REPEAT_I] + 1 < fast[REPEAT_N]:
-                # Fast path: a leaf repeated by its REPEAT parent stays on the stack.
-                value = self._leaf()
-                self.steps += 1
-                self._fresh = None
-                i = fast[REPEAT_I] = fast[REPEAT_I] + 1
-                fast[REPEAT_LAST] = value
-                counter = fast[ELEMENT].counter
-                if counter is not None:
-                    self.registers[counter.name] = i
-                return INCOMPLETE
+            if fast is not None:
+                i = fast[REPEAT_I] + 1
+                if i < fast[REPEAT_N]:
+                    # Fast path: a leaf repeated by its REPEAT parent stays on the stack.
+                    value = self._leaf()
+                    self.steps += 1
+                    self._fresh = None
+                    fast[REPEAT_I] = i
+                    fast[REPEAT_LAST] = value
+                    counter = fast[ELEMENT].counter
+                    if counter is not None:
+                        self.registers[counter.name] = i
+                    return INCOMPLETE
             if self._leaf is None and not self._prepare():
                 return self.result
             value = self._leaf()
@@ -163,14 +171,15 @@ class Driver:
         return self._drive(_step_limit(self.steps, max_steps), _deadline(timeout), None, True)
 
     async def arun(self, max_steps: int | None = None, timeout: float | None = None,
-                   steps_per_yield: int = 1) -> Any:
+                   steps_per_yield: int | None = None, yield_every: float = YIELD_EVERY) -> Any:
         """Drive the program from asyncio: ``await drv.arun()``.
 
-        Yields to the event loop after every ``steps_per_yield`` steps (so
-        other tasks may inspect, save or stop the driver between any two
-        steps), and while every runnable leaf is a pending POPEN or SPAWN it
-        awaits them, taking no CPU, instead of polling.  Returns as run()
-        does; cancelling the task leaves the driver between two steps.
+        Gives the event loop control about every ``yield_every`` seconds (0.25 ms by default: other tasks
+        run, and may inspect, save or stop the driver, between two steps), or after every
+        ``steps_per_yield`` steps when that is given; a single leaf that runs longer holds the loop that
+        long.  While every runnable leaf is a pending POPEN or SPAWN it awaits them, taking no CPU,
+        instead of polling.  Returns as run() does; cancelling the task leaves the driver between two
+        steps.
 
         >>> import asyncio
         >>> from flowvm import CALL, REPEAT, Registers
@@ -180,15 +189,22 @@ class Driver:
         """
         import asyncio
 
-        if isinstance(steps_per_yield, bool) or not isinstance(steps_per_yield, numbers.Integral) \
-                or steps_per_yield < 1:
-            raise ValueError(f"steps_per_yield must be an int >= 1, got {steps_per_yield!r}")
+        if steps_per_yield is not None and (isinstance(steps_per_yield, bool)
+                                            or not isinstance(steps_per_yield, numbers.Integral)
+                                            or steps_per_yield < 1):
+            raise ValueError(f"steps_per_yield must be an int >= 1 or None, got {steps_per_yield!r}")
+        if isinstance(yield_every, bool) or not isinstance(yield_every, numbers.Real) or not yield_every > 0:
+            raise ValueError(f"yield_every must be a number of seconds > 0, got {yield_every!r}")
         limit = _step_limit(self.steps, max_steps)
         deadline = _deadline(timeout)
         idle = _Idle()
         while True:
             idle.stopped = False
-            self._drive(min(limit, self.steps + steps_per_yield), deadline, idle, False)
+            if steps_per_yield is None:  # a time slice, ending at the deadline at the latest
+                end = monotonic() + yield_every
+                self._drive(limit, end if deadline is None or end < deadline else deadline, idle, False)
+            else:
+                self._drive(min(limit, self.steps + steps_per_yield), deadline, idle, False)
             if self.done:
                 return self.result
             if self.steps >= limit or (deadline is not None and monotonic() >= deadline):
@@ -218,6 +234,8 @@ class Driver:
                     if fast is None and self._fastseq is not None \
                             and repeat_seq(self, self._fastseq, limit, deadline):
                         continue
+                    if self._woven is not None and repeat_woven(self, self._woven, limit, deadline):
+                        continue
                 elif fast is not None:
                     repeat_leaf(self, fast, limit)  # (it writes the frames back before an error leaves it)
                     if self.steps >= limit:
@@ -226,6 +244,8 @@ class Driver:
                     repeat_seq(self, self._fastseq, limit)
                     if self.steps >= limit:
                         return INCOMPLETE
+                elif self._woven is not None and repeat_woven(self, self._woven, limit):
+                    continue  # (if the turn passed to another child, the driver is settled into it)
                 value = self._leaf()
                 if value is PENDING:
                     key = id(self._stack[-1])
@@ -258,9 +278,9 @@ class Driver:
         results are the same either way (docs/architecture.md)."""
         if self._leaf is None or self.done:
             return None
-        if self._fast is not None:
+        if self._fast is not None or (self._woven is not None and self._woven[2] is None):
             return "repeat-leaf"
-        return "repeat-seq" if self._fastseq is not None else None
+        return "repeat-seq" if self._fastseq is not None or self._woven is not None else None
 
     def frame_paths(self) -> list[tuple[tuple[int, ...], list]]:
         """(path, frame) for each frame on the active stack, outermost first."""
@@ -293,6 +313,8 @@ class Driver:
         state.pop("_leaf", None)
         state.pop("_fast", None)
         state.pop("_fastseq", None)
+        state.pop("_around", None)
+        state.pop("_woven", None)
         state.pop("_live", None)
         state.pop("_move_error", None)
         state["_resume"] = self._resume_for_copy()
@@ -303,7 +325,7 @@ class Driver:
         the fast paths hold, whether the program has a WEAVE); the next step derives them again.  For
         whoever changes the program or the frames in place (hot patches, in-place edits)."""
         self._weave = has_weave(self.program)
-        self._leaf = self._fast = self._fastseq = None
+        self._leaf = self._fast = self._fastseq = self._around = self._woven = None
 
     # ---------------------------------------------------------------- editing a run
     def find(self, pattern: Any = None, *, where: Any = None, missing_ok: bool = False):
@@ -399,23 +421,32 @@ class Driver:
                 return False
         stack = self._stack
         el = stack[-1][ELEMENT]
+        around = None
+        if self._weave:
+            around = self._around = [fr for fr in stack if type(fr[ELEMENT]) is WEAVE] or None
         if type(el).simple_leaf:
             self._leaf = leaf_function(el, self.registers)
-            if not self._weave and len(stack) > 1:
+            if len(stack) > 1 and fastpaths.ENABLED:
                 parent = stack[-2]
                 kind = type(parent[ELEMENT])
                 if kind is REPEAT:
-                    self._fast = parent
+                    if around is None:
+                        self._fast = parent
+                    else:
+                        self._woven = (around, parent, None)
                 elif kind is SEQ and len(stack) > 2 and type(stack[-3][ELEMENT]) is REPEAT \
                         and all(type(c).simple_leaf for c in parent[ELEMENT].elements):
-                    self._fastseq = (stack[-3], parent)
+                    if around is None:
+                        self._fastseq = (stack[-3], parent)
+                    else:
+                        self._woven = (around, stack[-3], parent)
         else:
             self._leaf = el.bind(self, stack[-1])
         return True
 
     def _after_leaf(self, value: Any) -> None:
         stack = self._stack
-        if not self._weave and len(stack) > 1:
+        if len(stack) > 1 and fastpaths.ENABLED:
             fr = stack[-2]
             if type(fr[ELEMENT]) is SEQ:  # the next sibling is a plain leaf: move to it directly
                 elements = fr[ELEMENT].elements
@@ -427,7 +458,10 @@ class Driver:
                         self.steps += 1
                         fr[SEQ_POS] = pos
                         stack[-1] = [nxt]
-                        self._leaf = self._fast = self._fastseq = self._fresh = None
+                        self._leaf = self._fast = self._fastseq = self._woven = self._fresh = None
+                        if self._around is not None and take_turn(self, self._around):
+                            self.settle_after_turn()  # the turn passed to another child of a WEAVE
+                            return
                         try:
                             self._leaf = leaf_function(nxt, self.registers)
                         except Exception:  # retried, and raised, by the next step's _prepare
@@ -438,9 +472,10 @@ class Driver:
         self._stack.pop()
         self._carry = value
         self._ready = False
-        self._leaf = self._fast = self._fastseq = None
-        if self._weave:
-            credit_weaves(self)
+        around = self._around  # the WEAVE frames around the leaf, found by _prepare
+        self._leaf = self._fast = self._fastseq = self._around = self._woven = None
+        if around is not None:
+            credit_weaves(self, around)
         try:
             self._prepare()
         except Exception:
@@ -454,12 +489,17 @@ class Driver:
         if self._weave:
             credit_weaves(self)
             if self._rotate:
-                self._ready = False
-                self._leaf = self._fast = self._fastseq = None
-                try:
-                    self._prepare()
-                except Exception:
-                    pass
+                self.settle_after_turn()
+
+    def settle_after_turn(self) -> None:
+        """A WEAVE's turn ended after a step (the stack may hold another child's frames now): settle into
+        the next leaf, as after any leaf; a move that fails is retried, and raised, by the next step."""
+        self._ready = False
+        self._leaf = self._fast = self._fastseq = self._around = self._woven = None
+        try:
+            self._prepare()
+        except Exception:
+            pass
 
     def _running_error(self, err: BaseException) -> BaseException:
         """err raised by the leaf on top, annotated; a register the leaf reads that holds no value (the

@@ -1,8 +1,9 @@
-"""The driver's fast paths: tight loops for the common shapes outside WEAVEs, which skip settling but
+"""The driver's fast paths: tight loops for the common shapes of programs, which skip settling but
 leave exactly the frames settling would (tests/machine/test_driver.py and the property tests compare them).
 
 - ``repeat_leaf``: a simple leaf repeated by its REPEAT parent, up to (not including) its last iteration.
 - ``repeat_seq``: a SEQ of simple leaves repeated by a REPEAT (``run()`` only).
+- ``repeat_woven``: either shape inside WEAVEs (``run()`` only), counting each step of the WEAVEs' turns.
 
 The driver's ``step()`` has a one-step form of ``repeat_leaf`` inline, and ``_after_leaf`` moves to a simple
 next sibling in a SEQ directly.  Both loops stop at the step limit and, with a deadline, after the step
@@ -15,8 +16,13 @@ from __future__ import annotations
 from time import monotonic
 
 from .compile import leaf_function
-from .frames import REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS
+from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, WEAVE_ACTIVE, WEAVE_CREDITS,
+                     WEAVE_FINISHED, WEAVE_ROTATE, pass_turn, rotate_weaves)
 
+
+# False: the driver takes none of these paths (nor the move to a next sibling); for the tests that compare
+# them with the general path, and for profiling
+ENABLED = True
 
 def repeat_leaf(drv, parent: list, limit, deadline: float | None = None) -> None:
     """Run a leaf repeated by a REPEAT frame in a tight loop, up to (not including) its last iteration
@@ -95,4 +101,118 @@ def repeat_seq(drv, fs: tuple, limit, deadline: float | None = None) -> int:
             drv._leaf = leaves[pos]
             # as settling would leave it: a SEQ just begun again counts as entered afresh
             drv._fresh = len(drv._stack) - 2 if pos == 0 else None
+    return ran
+
+
+def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int:
+    """``repeat_leaf`` and ``repeat_seq`` inside WEAVEs: after each leaf the WEAVEs around it count the step
+    of their active child's turn and pick the next child when it is used up (``frames.take_turn``), as
+    settling would.  The loop goes on while each WEAVE picks its active child again, and stops when a turn
+    passes to another child, after settling the driver into it (or at the step limit, the deadline, or one
+    step before the REPEAT's last iteration).  Returns the steps taken."""
+    weaves, rep, seq = woven
+    regs = drv.registers
+    stack = drv._stack
+    if seq is None:
+        children = None
+        leaves = [drv._leaf]
+        last = pos = 0
+    else:
+        children = seq[ELEMENT].elements
+        leaves = [leaf_function(c, regs) for c in children]
+        last, pos = len(leaves) - 1, seq[SEQ_POS]
+    i, n, value = rep[REPEAT_I], rep[REPEAT_N], rep[REPEAT_LAST]
+    counter = rep[ELEMENT].counter
+    name = counter.name if counter is not None else None
+    budget = limit - drv.steps
+    ran = 0
+    passed = False
+    timed = deadline is not None
+    if len(weaves) == 1:  # one WEAVE around: its turns counted here, inline
+        weave = weaves[0]
+        credits, active, finished = weave[WEAVE_CREDITS], weave[WEAVE_ACTIVE], weave[WEAVE_FINISHED]
+        weights, width = weave[ELEMENT].weights, len(finished)
+    else:
+        weave = None
+    try:
+        while ran < budget and (pos != last or i != n - 1):
+            if timed and ran and monotonic() >= deadline:
+                break
+            v = leaves[pos]()
+            ran += 1
+            if pos == last:  # the leaf, or the SEQ, finished an iteration of the REPEAT
+                i += 1
+                value = v
+                if name is not None:
+                    regs[name] = i
+                pos = 0
+            else:
+                pos += 1
+            if weave is not None:
+                c = credits[active] - 1
+                credits[active] = c
+                if c >= 1:
+                    continue
+                j = active + 1  # the turn is used up: the next child, as frames.weave_pick picks it
+                while True:
+                    if j == width:
+                        j = 0
+                    if not finished[j]:
+                        c = credits[j] + (weights[j] if weights is not None else 1)
+                        credits[j] = c
+                        if c >= 1:
+                            break
+                    j += 1
+                if j == active:
+                    continue
+                rep[REPEAT_I], rep[REPEAT_LAST] = i, value  # the frames as settling leaves them, then the turn
+                if seq is not None:
+                    if pos:
+                        seq[SEQ_POS] = pos
+                        stack[-1] = [children[pos]]
+                    else:  # the SEQ finished: the REPEAT holds it again, not yet started
+                        del seq[1:]
+                        del stack[-1]
+                pass_turn(drv, weave, j)
+                passed = True
+                break
+            due = False
+            for fr in weaves:  # frames.take_turn, inline up to the rotation
+                credits = fr[WEAVE_CREDITS]
+                a = fr[WEAVE_ACTIVE]
+                credits[a] -= 1
+                if credits[a] < 1:
+                    fr[WEAVE_ROTATE] = True
+                    due = True
+            if due:  # the frames as settling leaves them before the turn, then the turn
+                rep[REPEAT_I], rep[REPEAT_LAST] = i, value
+                if seq is None:
+                    passed = rotate_weaves(drv, weaves)
+                elif pos:
+                    seq[SEQ_POS] = pos
+                    stack[-1] = [children[pos]]
+                    passed = rotate_weaves(drv, weaves)
+                else:  # the SEQ finished: the REPEAT holds it again, not yet started
+                    del seq[1:]
+                    del stack[-1]
+                    passed = rotate_weaves(drv, weaves)
+                    if not passed:
+                        seq.append(0)
+                        stack.append([children[0]])
+                if passed:
+                    break
+    finally:
+        rep[REPEAT_I], rep[REPEAT_LAST] = i, value
+        drv.steps += ran
+        if ran and not passed:
+            if seq is not None:
+                seq[SEQ_POS] = pos
+                stack[-1] = [children[pos]]
+                drv._leaf = leaves[pos]
+                drv._fresh = len(stack) - 2 if pos == 0 else None
+            else:
+                drv._fresh = None
+    if passed:  # settle into the child whose turn it is, as the step that ended the turn would
+        drv._fresh = None
+        drv.settle_after_turn()
     return ran

@@ -419,9 +419,10 @@ def settle(drv) -> None:
         drv._move_error = err  # for _running_error, the step's handler (a cache: never pickled)
         raise
 
-def credit_weaves(drv) -> None:
-    """After a leaf: every WEAVE around it counts one step of its active child's turn."""
-    for fr in drv._stack:
+def credit_weaves(drv, weaves: list | None = None) -> None:
+    """After a leaf: every WEAVE around it counts one step of its active child's turn.  weaves: the WEAVE
+    frames on the stack, when the caller knows them (else the stack is searched)."""
+    for fr in drv._stack if weaves is None else weaves:
         if type(fr[0]) is WEAVE:
             credits = fr[WEAVE_CREDITS]
             a = fr[WEAVE_ACTIVE]
@@ -430,19 +431,51 @@ def credit_weaves(drv) -> None:
                 fr[WEAVE_ROTATE] = True
                 drv._rotate = True
 
-def rotate_weaves(drv) -> None:
-    """Hand the turn to the next child in every WEAVE whose active child used up its turn."""
+def rotate_weaves(drv, weaves: list | None = None) -> bool:
+    """Hand the turn to the next child in every WEAVE whose active child used up its turn, innermost first;
+    True when some WEAVE's turn passed to another child (the stack changed), False when each picked its
+    active child again (its credits counted, its frames left in place).  weaves: the WEAVE frames on the
+    stack, outermost first, when the caller knows them (else the stack is searched)."""
     drv._rotate = False
     stack = drv._stack
-    for k in range(len(stack) - 1, -1, -1):
-        fr = stack[k]
-        if type(fr[0]) is WEAVE and len(fr) > 1 and fr[WEAVE_ROTATE]:
+    if weaves is None:
+        weaves = [fr for fr in stack if type(fr[0]) is WEAVE and len(fr) > 1]
+    changed = False
+    for fr in reversed(weaves):
+        if fr[WEAVE_ROTATE]:
             fr[WEAVE_ROTATE] = False
             a = fr[WEAVE_ACTIVE]
-            segs = fr[WEAVE_SEGMENTS]
-            segs[a] = stack[k + 1:]
-            del stack[k + 1:]
             b = weave_pick(fr, a + 1)
-            stack.extend(segs[b])
-            segs[b] = None
-            fr[WEAVE_ACTIVE] = b
+            if b != a:
+                pass_turn(drv, fr, b)
+                changed = True
+    return changed
+
+
+def pass_turn(drv, fr: list, b: int) -> None:
+    """The WEAVE frame fr (on the stack) hands the turn to its child b: the frames above it become the
+    active child's paused segment, and b's segment goes on the stack."""
+    stack = drv._stack
+    k = next(k for k, f in enumerate(stack) if f is fr)
+    segs = fr[WEAVE_SEGMENTS]
+    segs[fr[WEAVE_ACTIVE]] = stack[k + 1:]
+    del stack[k + 1:]
+    stack.extend(segs[b])
+    segs[b] = None
+    fr[WEAVE_ACTIVE] = b
+
+
+def take_turn(drv, weaves: list) -> bool:
+    """What settling does for the WEAVEs around a leaf after it ran, for the fast paths: each of weaves (the
+    WEAVE frames on the stack) counts one step of its active child's turn (``credit_weaves``), and those
+    whose child used up its turn pick the next (``rotate_weaves``).  True when a turn passed to another
+    child: the stack changed and the driver must settle into it."""
+    due = False
+    for fr in weaves:
+        credits = fr[WEAVE_CREDITS]
+        a = fr[WEAVE_ACTIVE]
+        credits[a] -= 1
+        if credits[a] < 1:
+            fr[WEAVE_ROTATE] = True
+            due = True
+    return due and rotate_weaves(drv, weaves)
