@@ -219,3 +219,63 @@ def test_a_register_emptied_at_run_time_is_a_register_error_naming_it_and_the_pa
 
 def test_keyword_arguments_named_like_python_keywords():
     assert CALL(dict, **{"from": 1, "class": 2}).run() == {"from": 1, "class": 2}
+
+
+class Interrupting:
+    """Raises exc (KeyboardInterrupt, SystemExit) on the calls listed in fail_on, as Ctrl-C in a notebook or a
+    sys.exit() in the user's code would; else adds one."""
+
+    def __init__(self, exc, fail_on):
+        self.exc, self.fail_on, self.calls = exc, set(fail_on), 0
+
+    def __call__(self, x):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise self.exc()
+        return x + 1
+
+
+def interrupted_program(shape, fn):
+    reg = Registers(x=0, y=0)
+    call = CALL(fn, reg("x"), store_to=reg("x"))
+    if shape == "repeat-leaf":
+        return REPEAT(40, call)
+    if shape == "repeat-seq":
+        return REPEAT(20, SEQ([call, CALL(toy.inc, reg("y"), store_to=reg("y"))]))
+    if shape == "woven":
+        return WEAVE(1, [REPEAT(20, SEQ([call, CALL(toy.inc, reg("y"), store_to=reg("y"))])),
+                         REPEAT(100, CALL(toy.inc, reg("y"), store_to=reg("y")))], weights=[1, 0.1])
+    return SEQ([SEQ([call, SEQ([CALL(toy.inc, reg("y"), store_to=reg("y")), call])]) for _ in range(15)])
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("shape", ["repeat-leaf", "repeat-seq", "woven", "general"])
+@pytest.mark.parametrize("via", ["step", "run", "run-timeout", "run-max-steps"])
+def test_keyboardinterrupt_or_systemexit_from_a_call_leaves_the_driver_consistent(exc, shape, via):
+    """The leaf that raised has not run: the step count, the frames and the registers are those before it,
+    a copy made then resumes, and the next step retries the leaf."""
+    straight = interrupted_program(shape, Interrupting(exc, [])).start()
+    straight.run()
+    fn = Interrupting(exc, [5, 6, 17])
+    drv = interrupted_program(shape, fn).start()
+    raised = []
+    while not drv.done:
+        before = (drv.steps, drv.position, dict(drv.registers))
+        try:
+            if via == "step":
+                drv.step()
+            elif via == "run":
+                drv.run()
+            elif via == "run-timeout":
+                drv.run(timeout=5)
+            else:
+                drv.run(max_steps=3)
+        except exc:
+            raised.append(drv.steps)
+            assert drv.position is not None and drv.registers["x"] == fn.calls - len(raised)
+            if via == "step":
+                assert (drv.steps, drv.position, dict(drv.registers)) == before
+            drv = pickle.loads(pickle.dumps(drv))  # and the interrupted state copies and resumes
+            fn = drv.program.find(where=lambda el: isinstance(getattr(el, "fn", None), Interrupting))[0].element.fn
+    assert len(raised) == 3
+    assert drv.steps == straight.steps and dict(drv.registers) == dict(straight.registers)

@@ -35,6 +35,7 @@ import importlib.util
 import inspect
 import os
 import pkgutil
+import signal
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -45,7 +46,7 @@ from ..persist import storage
 from ..machine.driver import Driver
 from ..program.elements import Element
 from ..base.errors import CheckpointError, FlowError
-from .runner import DEFAULT_EVERY_SECONDS, Runner, static_steps
+from .runner import DEFAULT_EVERY_SECONDS, Runner, Stop, StoppedDuringStartup, static_steps
 
 KEY_ENV = "FLOWVM_CHECKPOINT_KEY"
 
@@ -241,7 +242,7 @@ def _trusted_header(args, path: Path | str) -> tuple[dict, str | None]:
 
 def _runner(args, drv: Driver, meta: dict, ckpt: Path | str | None) -> Runner:
     return Runner(drv, meta.get("show", []), ckpt, args.every, args.every_seconds, meta, _key(args),
-                  args.progress, args.progress_every)
+                  args.progress, args.progress_every, getattr(args, "stop", None))
 
 
 def set_threads(threads: int | None) -> None:
@@ -470,22 +471,49 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    for name in ("every", "max_steps", "threads"):
-        value = getattr(args, name, None)
-        least = 0 if name == "max_steps" else 1
-        if value is not None and value < least:
-            raise SystemExit(f"flowvm: --{name.replace('_', '-')} must be >= {least}")
-    if getattr(args, "every_seconds", None) is not None and not args.every_seconds > 0:
-        raise SystemExit("flowvm: --every-seconds must be > 0")
-    if args.command == "run" and args.checkpoint is None and (args.every or args.every_seconds):
-        raise SystemExit("flowvm: --every and --every-seconds need --checkpoint PATH (where to save)")
-    try:
-        return args.func(args)
-    except (CheckpointError, FlowError) as err:
-        print(f"flowvm: {err}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # `flowvm show run.ckpt | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+def main(argv: list[str] | None = None, early_signals: list[int] | None = None) -> int:
+    """The flowvm command.  From its first line SIGINT and SIGTERM stop a run at a step boundary, save it
+    and say so (early_signals: those the entry point, flowvm_cli, saw while flowvm was being imported)."""
+    with Stop(early_signals) as stop:
+        try:
+            if stop.signal is not None:
+                raise StoppedDuringStartup(stop.signal)
+            args = parser().parse_args(argv)
+        except StoppedDuringStartup as stopped:
+            return _stopped_during_startup(stopped.signum)
+        args.stop = stop
+        if args.command not in ("run", "resume"):  # nothing to stop at a step boundary
+            stop.restore()
+        for name in ("every", "max_steps", "threads"):
+            value = getattr(args, name, None)
+            least = 0 if name == "max_steps" else 1
+            if value is not None and value < least:
+                raise SystemExit(f"flowvm: --{name.replace('_', '-')} must be >= {least}")
+        if getattr(args, "every_seconds", None) is not None and not args.every_seconds > 0:
+            raise SystemExit("flowvm: --every-seconds must be > 0")
+        if args.command == "run" and args.checkpoint is None and (args.every or args.every_seconds):
+            raise SystemExit("flowvm: --every and --every-seconds need --checkpoint PATH (where to save)")
+        try:
+            return args.func(args)
+        except StoppedDuringStartup as stopped:
+            return _stopped_during_startup(stopped.signum)
+        except (CheckpointError, FlowError) as err:
+            print(f"flowvm: {err}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:  # `flowvm show run.ckpt | head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+        except KeyboardInterrupt as err:  # raised by the program, or a second Ctrl-C
+            notes = "".join(f"\n{note}" for note in getattr(err, "__notes__", ()))
+            print(f"flowvm: interrupted (KeyboardInterrupt){notes}", file=sys.stderr)
+            return 128 + signal.SIGINT
+        except SystemExit as err:  # the program called sys.exit(): exit as it asked, once saved
+            for note in getattr(err, "__notes__", ()):
+                print(note, file=sys.stderr)
+            raise
+
+
+def _stopped_during_startup(signum: int) -> int:
+    print(f"flowvm: stopped by {signal.Signals(signum).name} during start-up, before the run's first step "
+          "(nothing ran; no checkpoint written or changed)", file=sys.stderr)
+    return 128 + signum

@@ -13,6 +13,7 @@ through flowvm.persist.storage, atomically.
 from __future__ import annotations
 
 import inspect
+import contextlib
 import signal
 import sys
 import time
@@ -46,12 +47,24 @@ def static_steps(program) -> int | None:
         return None
 
 
-class _Stop:
-    """Turns SIGINT/SIGTERM into a request to checkpoint and stop at the next step boundary."""
+class StoppedDuringStartup(BaseException):
+    """SIGINT or SIGTERM before the run's first step: the command stops at once (nothing ran to save)."""
 
-    def __init__(self):
-        self.signal: int | None = None
-        self._old = {}
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class Stop:
+    """SIGINT/SIGTERM from the command's start (``early``: the signals its entry point saw before this was
+    installed) to its end: during start-up they stop the command at once (``StoppedDuringStartup``); once
+    the run is going (``running``) they become a request to checkpoint and stop at the next step
+    boundary, and a second SIGINT stops at once."""
+
+    def __init__(self, early: list[int] | None = None, running: bool = False):
+        self.signal: int | None = early[0] if early else None
+        self.running = running
+        self._old: dict = {}
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -59,13 +72,21 @@ class _Stop:
         return self
 
     def _handle(self, signum, frame):
+        if not self.running:
+            self.signal = signum
+            raise StoppedDuringStartup(signum)
         if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
         self.signal = signum
 
-    def __exit__(self, *exc):
+    def restore(self) -> None:
+        """Give the signals back to their handlers from before (commands that run no program)."""
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        self._old = {}
+
+    def __exit__(self, *exc):
+        self.restore()
 
 
 def short_value(value: Any, limit: int = 40) -> str:
@@ -93,8 +114,9 @@ class Runner:
 
     def __init__(self, drv: Driver, show: list[str], ckpt: Path | str | None = None, every: int | None = None,
                  every_seconds: float | None = None, meta: dict | None = None, key: str | None = None,
-                 progress: str = "auto", progress_every: float = 2.0):
+                 progress: str = "auto", progress_every: float = 2.0, stop: Stop | None = None):
         self.drv, self.show, self.ckpt, self.every, self.meta, self.key = drv, show, ckpt, every, meta or {}, key
+        self.stop = stop  # the command's, installed since its start; else run() installs its own
         if ckpt is not None and every is None and every_seconds is None:
             every_seconds = DEFAULT_EVERY_SECONDS
         self.every_seconds = every_seconds
@@ -133,7 +155,8 @@ class Runner:
             self.line(f"flowvm: running from step {drv.steps}{where}")
         last_line = time.monotonic()
         chunk = 1
-        with _Stop() as stop:
+        with contextlib.nullcontext(self.stop) if self.stop is not None else Stop(running=True) as stop:
+            stop.running = True  # from here a signal stops the run at a step boundary, saved
             try:
                 while not drv.done and stop.signal is None and (limit is None or drv.steps < limit):
                     n = chunk
@@ -161,9 +184,16 @@ class Runner:
                             (self.every is not None and drv.steps - self.saved_step >= self.every)
                             or (self.every_seconds is not None and now - self.saved_time >= self.every_seconds)):
                         self.save()
-            except Exception as err:
+            except BaseException as err:  # an error, or SystemExit or KeyboardInterrupt raised by the program
                 if bar is not None:
                     bar.close()
+                if isinstance(err, KeyboardInterrupt) and stop.signal is not None:
+                    # a second Ctrl-C, which may have landed in the middle of a step: saving could keep a
+                    # half-made step, so the last checkpoint stays as it is
+                    if self.ckpt is not None:
+                        err.add_note(f"flowvm: stopped at once by a second SIGINT; {self.ckpt} keeps the run "
+                                     f"as saved at step {self.saved_step}")
+                    raise
                 if self.ckpt is not None:
                     self.save()  # the driver is consistent: resuming retries the step that failed
                     err.add_note(f"flowvm: the run is saved at step {drv.steps} in {self.ckpt}; "
