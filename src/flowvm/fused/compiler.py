@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 
 from .codegen import _barrier_index
+from .isolation import isolate_random_state, isolate_tracing
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -48,6 +49,8 @@ def _submit(job: Callable[[], None], only_if_free: bool = False) -> bool:
             return False
         if _worker is None or not _worker.is_alive():
             _worker = threading.Thread(target=_work, name="flowvm-compile", daemon=True)
+            isolate_tracing(_worker)  # its tracing must not patch what the program's own calls do
+            isolate_random_state(_worker)  # nor set back the generators the program draws from
             _worker.start()
         _busy += 1
         _jobs.put(job)
