@@ -279,3 +279,20 @@ def test_keyboardinterrupt_or_systemexit_from_a_call_leaves_the_driver_consisten
             fn = drv.program.find(where=lambda el: isinstance(getattr(el, "fn", None), Interrupting))[0].element.fn
     assert len(raised) == 3
     assert drv.steps == straight.steps and dict(drv.registers) == dict(straight.registers)
+
+
+def test_remaining_runs_counts_what_the_repeats_around_a_leaf_have_left():
+    from flowvm.machine.running import remaining_runs
+
+    seen = []
+    reg = Registers()
+    prog = REPEAT(4, SEQ([REPEAT(3, CALL(lambda: seen.append(remaining_runs()))), CALL(toy.const, 0)]))
+    drv = prog.start()
+    while drv.step() is INCOMPLETE:
+        pass
+    assert seen == list(range(12, 0, -1))
+    seen.clear()
+    looped = SEQ([CALL(lambda: seen.append(remaining_runs()))])
+    looped.run()
+    assert seen == [1] and remaining_runs() is None  # no driver running here
+    assert reg is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 
@@ -27,8 +28,36 @@ _imported: set[str] = set()                # compiler modules imported (by the w
 _import_queued: set[str] = set()
 
 
+# The compile thread gives way to the program: after each RUN_SLICE seconds of running Python it sleeps
+# PAUSE seconds (while the program is stepping), so that the program's thread, which takes the GIL back
+# after each torch call, does not queue behind imports and compiler passes for a switch interval each time.
+RUN_SLICE = 0.001
+PAUSE = 0.003
+_program_ran = [0.0]   # perf_counter() of the program's last execution of a fused step while compiling
+_slice = [0.0]
+
+
+def program_ran() -> None:
+    """Called by a fused step running eagerly while its compile is under way: the program is stepping."""
+    _program_ran[0] = time.perf_counter()
+
+
+def program_waits() -> None:
+    """The program waits for the compile thread (tracing): let it run at full speed."""
+    _program_ran[0] = 0.0
+
+
+def _pace(frame, event, arg) -> None:
+    now = time.perf_counter()
+    if now - _slice[0] >= RUN_SLICE:
+        if now - _program_ran[0] < 0.1:  # the program stepped in the last 100 ms: give it the GIL for a while
+            time.sleep(PAUSE)
+        _slice[0] = time.perf_counter()
+
+
 def _work() -> None:
     global _busy
+    sys.setprofile(_pace)  # this thread only
     while True:
         job = _jobs.get()
         try:
@@ -60,6 +89,18 @@ def _submit(job: Callable[[], None], only_if_free: bool = False) -> bool:
 def _modules(backend: Any) -> tuple[str, ...]:
     """The compiler modules a compile for this backend imports (seconds, the first time)."""
     return ("torch._dynamo", "torch._inductor.compile_fx") if backend == "inductor" else ("torch._dynamo",)
+
+
+# What a compile is expected to take, for deciding whether a run repays it (Runtime._repays): the first one
+# in a process imports the compiler too; later ones take about as long as those before.
+FIRST_COMPILE_SECONDS = {"inductor": 20.0}
+compile_seconds: list[float] = []  # inductor compiles finished in this process
+
+
+def compile_estimate(backend: Any) -> float:
+    if compile_seconds:
+        return sorted(compile_seconds)[len(compile_seconds) // 2]
+    return FIRST_COMPILE_SECONDS.get(backend, 1.0) if isinstance(backend, str) else 1.0
 
 
 def _compiler_ready(names: tuple[str, ...]) -> bool:

@@ -108,6 +108,12 @@ class FuseSettings:
       step first spends running eagerly before its compile starts.  A cold
       compile takes 10-20 s of CPU that the running program shares, so only a
       step that has proved long-lived pays for it; short runs never compile.
+    - ``payback``: with ``form="auto"``, ``background`` and the inductor backend, a
+      compile starts only if the executions the run has left, as far as the
+      REPEATs around the step tell, run at least ``payback`` times as long as the
+      compile is expected to take (its first compile in a process: about 20 s
+      with the compiler's imports; later ones: as long as those before).  0: no
+      such check.  A step inside a LOOP or WHILE (no known end) is not checked.
     """
 
     backend: Any = "inductor"
@@ -120,8 +126,11 @@ class FuseSettings:
     margin: float = 0.02
     max_compiles: int = 4
     compile_after: float = 20.0
+    payback: float = 20.0
 
     def __post_init__(self):
+        if isinstance(self.payback, bool) or not isinstance(self.payback, (int, float)) or not self.payback >= 0:
+            raise ValueError(f"fuse-torch: payback must be a number >= 0, got {self.payback!r}")
         if isinstance(self.compile_after, bool) or not isinstance(self.compile_after, (int, float)) \
                 or not self.compile_after >= 0:
             raise ValueError(f"fuse-torch: compile_after must be a number of seconds >= 0, "
@@ -236,7 +245,7 @@ class FUSED(Element):
         defaults = FuseSettings.make(backend=self.settings.backend)
         kwargs: dict[str, Any] = {"origins": list(self.origins)}
         for name in ("backend", "mode", "options", "dynamic", "form", "background", "trials", "margin",
-                     "max_compiles", "compile_after"):
+                     "max_compiles", "compile_after", "payback"):
             value = getattr(self.settings, name)
             if value != getattr(defaults, name):
                 kwargs[name] = dict(value) if name == "options" else value

@@ -43,8 +43,11 @@ from typing import Any, Callable
 
 
 from ..base.errors import FusionWarning
+from ..machine.running import remaining_runs
 from .codegen import generate, leaf_source
-from .compiler import _compiler_ready, _direct_caller, _direct_compile, _inductor_after_tracing, _modules, _submit
+from .compiler import (_compiler_ready, _direct_caller, _direct_compile, _inductor_after_tracing, _modules, _submit,
+                       compile_estimate, program_ran, program_waits)
+from .compiler import compile_seconds as compiler_seconds
 
 
 MIN_TRIAL_SECONDS = 0.02   # a trial times each form for at least this long (and ``trials`` executions)
@@ -124,21 +127,41 @@ class Runtime:
     def _first(self, *args):
         """The first execution: start compiling (or compile now, when not in the background)."""
         st = self.settings
-        if st.background and st.form == "auto" and st.compile_after > 0:
+        self._checks_payback = st.background and st.form == "auto" and st.payback > 0 and st.backend == "inductor"
+        self._remaining = remaining_runs() if self._checks_payback else None
+        if st.background and st.form == "auto" and (st.compile_after > 0 or self._remaining is not None):
             self._eager_seconds = 0.0
+            self._eager_runs = 0
             self.current = self._proving
             self.state = "proving"
             return self._proving(*args)
         return self._begin(*args)
 
     def _proving(self, *args):
-        """Eager executions until the step has run compile_after seconds; then the compile starts."""
+        """Eager executions until the step has run compile_after seconds; then the compile starts, if the
+        run has enough executions left to repay it (``payback``)."""
         t0 = time.perf_counter()
         out = self.eager(*args)
         self._eager_seconds += time.perf_counter() - t0
+        self._eager_runs += 1
         if self._eager_seconds >= self.settings.compile_after:
-            self.current = self._begin
+            self.current = self._begin if self._repays() else self.eager
         return out
+
+    def _repays(self) -> bool:
+        """Whether the executions the run has left (known from its REPEATs) run long enough to repay a
+        compile; if not, the step stays eager for good, saying why."""
+        if self._remaining is None:
+            return True
+        left = self._remaining - self._eager_runs
+        seconds_left = left * self._eager_seconds / max(self._eager_runs, 1)
+        cost = compile_estimate(self.settings.backend)
+        if seconds_left >= self.settings.payback * cost:
+            return True
+        self.state = "eager"
+        self.decision = (f"eager: the run's {left} executions left (about {seconds_left:.2g} s) would not repay a "
+                         f"compile (about {cost:.0f} s, payback {self.settings.payback:g}x)")
+        return False
 
     def _begin(self, *args):
         self._start_compile(args)
@@ -153,6 +176,7 @@ class Runtime:
             self._start_compile(args)
         if self._job_done:
             return self._after_compile()(*args)
+        program_ran()
         return self.eager(*args)
 
     def _after_compile(self) -> Callable:
@@ -345,6 +369,8 @@ class Runtime:
             finally:
                 _tls.warm = False
                 self.compile_seconds.append(time.perf_counter() - start)
+                if self.settings.backend == "inductor" and self.error is None:
+                    compiler_seconds.append(self.compile_seconds[-1])
                 self._job_running = False
                 self._job_done = True
                 self._traced.set()
@@ -356,6 +382,7 @@ class Runtime:
             job()
         elif _submit(job, only_if_free=True):
             t0 = time.perf_counter()
+            program_waits()
             self._traced.wait()
             self.paused_seconds.append(time.perf_counter() - t0)
         else:  # another compile took the thread first: try again at the next execution

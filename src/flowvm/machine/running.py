@@ -1,6 +1,7 @@
 """The drivers alive in this process, for the tools that edit programs in place (flowvm.editing.edit): which
 driver runs an element now, which drivers are in the middle of a step, and dropping what live drivers
-derived from an element that was edited.
+derived from an element that was edited; and, for a leaf deciding whether work now pays off later, how
+many more times the run will run it.
 """
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from __future__ import annotations
 import sys
 
 from .driver import DRIVERS, Driver
-from ..program.elements import Element
-from .frames import ELEMENT
+from ..program.elements import BUFFER, LOOP, REPEAT, WEAVE, WHILE, Element
+from .frames import BUFFER_I, BUFFER_N, ELEMENT, REPEAT_I, REPEAT_N
 from .frames import walk as walk_frames
 from ..program.paths import format_path, walk
 
@@ -56,3 +57,28 @@ def refresh_drivers_holding(el: Element) -> None:
         drv.invalidate()
         if drv._ready and drv._stack and not drv._stack[-1][ELEMENT].is_leaf:
             drv._ready = False  # the next leaf became a container: settle into it
+
+
+def remaining_runs() -> int | None:
+    """For the leaf running now (called from its function, inside a driver's step in this thread): how many
+    more times its run will run it, this time included, as far as the REPEATs (and BUFFERs) around it
+    tell (assuming it runs once per iteration of the innermost).  None when a LOOP, WHILE or WEAVE around it has no
+    known end, or no driver is running here.  (Inside a tight loop a REPEAT's frame may lag its loop by
+    the iterations run since the loop began: an estimate, for deciding whether work pays off.)"""
+    drivers = drivers_mid_step()
+    if not drivers:
+        return None
+    left, per = 1, 1  # runs left within the current iteration of a level; runs per iteration of it
+    for fr in reversed(drivers[0]._stack[:-1]):  # the leaf's ancestors, innermost first
+        kind = type(fr[ELEMENT])
+        if kind in (LOOP, WHILE, WEAVE):
+            return None
+        if kind is REPEAT and len(fr) > 1:
+            i, n = fr[REPEAT_I], fr[REPEAT_N]
+        elif kind is BUFFER and len(fr) > 1:
+            i, n = fr[BUFFER_I], fr[BUFFER_N]
+        else:
+            continue
+        left += max(n - i - 1, 0) * per
+        per *= n
+    return left
