@@ -8,12 +8,13 @@
 """
 
 from .persist.checkpoint import load, read_header, save
+from .persist.state import load_state, save_state
 from .machine.driver import Driver
 from .base.sentinels import INCOMPLETE, PENDING
 from .program.elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, Leaf
 from .base.errors import (CheckpointError, CommandError, EditError, FlowError, PassError, RegisterError, SourceError,
                           SpawnError, SpawnTimeout, SwitchError, UnknownPassError, VerifyError,
-                          CopyWarning, FusionWarning, SettingsWarning)
+                          CopyWarning, DataError, FusionWarning, SettingsWarning)
 from .program.registers import Register, Registers
 from .program.verify import verify
 from .machine.depends import Depends
@@ -27,6 +28,7 @@ from .fused import FUSED, fusable
 from .processes.leaves import POPEN, SPAWN
 from .processes.executors import register_executor
 from .base.data import Batches
+from .base.dataset import load_data
 from .program import analysis
 from .persist import checkpoint
 from . import testing  # noqa: F401,E402  (flowvm.testing.assert_same_run after import flowvm)
@@ -36,12 +38,12 @@ from .base.version import __version__
 __all__ = [
     "BUFFER", "CALL", "LOOP", "PRINT", "REPEAT", "SEQ", "SWITCH", "WEAVE", "WHILE", "Element",
     "Leaf", "Register", "Registers", "INCOMPLETE", "PENDING", "Driver",
-    "verify", "save", "load", "read_header",
+    "verify", "save", "load", "read_header", "save_state", "load_state",
     "FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError",
     "optimize", "list_passes", "register_pass", "PassError", "UnknownPassError", "FUSED", "fusable",
     "POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout", "register_executor",
     "CopyWarning", "FusionWarning", "SettingsWarning",
-    "Batches",
+    "Batches", "load_data", "DataError",
     "Depends", "ANY", "EditError", "isolate", "template", "to_dot", "to_mermaid",
     "to_source", "from_source", "SourceError",
     "__version__",

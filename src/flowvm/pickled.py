@@ -26,6 +26,7 @@ from typing import Any, Callable
 __all__ = ["rebuild_driver", "load_driver_bytes", "with_grad", "set_lbfgs_state", "global_generator",
            "rebuild_storage", "rebuild_typed_storage",
            "sentinel", "rebuild_error", "make_depends", "Scope", "DependsCALL", "FuseSettings", "ExecutorRef",
+           "open_file_array",
            "find_class", "LEGACY_NAMES", "STABLE_MODULES", "stable", "check"]
 
 # (module, name) a pickle names -> (module, name) it is found under now: for names that moved.  The
@@ -64,7 +65,8 @@ _PUBLIC = {
         "base.data": ("Batches",),
         "machine.depends": ("Depends",),
         "base.errors": ("FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError", "CommandError",
-                   "SpawnError", "SpawnTimeout", "EditError", "SourceError", "PassError", "UnknownPassError"),
+                   "SpawnError", "SpawnTimeout", "EditError", "SourceError", "PassError", "UnknownPassError",
+                   "DataError"),
     }.items() for name in names
 }
 _HELPERS = {
@@ -82,6 +84,7 @@ _HELPERS = {
     "DependsCALL": "flowvm.machine.depends:DependsCALL",
     "FuseSettings": "flowvm.fused.element:FuseSettings",
     "ExecutorRef": "flowvm.processes.executors:ExecutorRef",
+    "open_file_array": "flowvm.base.dataset:open_file_array",
 }
 
 

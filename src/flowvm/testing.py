@@ -30,7 +30,8 @@ COPIERS: dict[str, Callable[[Driver], Driver]] = {
 
 
 def same(a: Any, b: Any) -> bool:
-    """Exact equality that also understands numpy arrays and torch tensors (bit for bit, NaNs equal)."""
+    """Exact equality that also understands numpy arrays and torch tensors (bit for bit, NaNs equal), and
+    plain objects without an ``__eq__`` of their own (by their attributes)."""
     import sys
 
     np = sys.modules.get("numpy")
@@ -51,6 +52,9 @@ def same(a: Any, b: Any) -> bool:
         return (isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a))
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__") \
+            and not isinstance(a, type) and not callable(a):
+        return a is b or same(vars(a), vars(b))  # a plain object (a fitted model): its attributes
     return type(a) is type(b) and a == b
 
 

@@ -231,7 +231,7 @@ def test_show_prints_the_listing_with_the_position_steps_and_registers(tmp_path)
                              "written by flowvm ")
     assert out[1:] == [
         "# flowvm driver: step 77, next: path '0.0.0.0'",
-        "   SEQ:  # at 1 of 2",
+        "   SEQ:  # at 1 of 3",
         "       REPEAT 2 (counter batch):  # 1 of 2 done",
         "           SEQ:  # at 1 of 3",
         "               x = BUFFER 50:  # 25 of 50 done",
@@ -239,6 +239,7 @@ def test_show_prints_the_listing_with_the_position_steps_and_registers(tmp_path)
         "               components = StreamingPCA.analyze(x)",
         "               explained = StreamingPCA.explained()",
         "       components = StreamingPCA.components()",
+        "       model = StreamingPCA.model()",
         "registers:",
         "  batch            int        1",
         "  x                ndarray    shape (50, 3) float64",
@@ -277,7 +278,7 @@ def test_the_registers_summary_gives_scalars_their_value_and_survives_odd_values
 
 def test_verify_prints_the_program_and_its_step_count():
     out = flowvm_cmd("verify", "pca", "--set", "batches=2").stdout
-    assert out.splitlines()[-1] == "# pca: verified; it takes 2005 steps"  # 2 x (1000 samples + 2) + 1
+    assert out.splitlines()[-1] == "# pca: verified; it takes 2006 steps"  # 2 x (1000 samples + 2) + 2
     assert str(pca.build(batches=2)) in out
     out = flowvm_cmd("verify", "kmeans").stdout
     assert out.splitlines()[-1] == "# kmeans: verified"
@@ -292,13 +293,13 @@ def test_list_names_every_bundled_program_with_its_first_doc_line():
     assert pca_lines[0].split(None, 1)[1] == "Principal component analysis over a stream of samples."
     options = out[out.index(pca_lines[0]) + 1]
     assert options.startswith(" ") and options.strip() == \
-        "options: samples=1000 batches=5 dim=13 components=3 seed=123"
+        "options: samples=1000 batches=5 dim=13 components=3 seed=123 data=None"
     assert k == sorted(names).index("pca")
     assert [n for n, _, _ in bundled_programs()] == names
 
 
 def test_static_steps_counts_only_fixed_shapes():
-    assert static_steps(pca.build(batches=3, samples=10)) == 3 * (10 + 2) + 1
+    assert static_steps(pca.build(batches=3, samples=10)) == 3 * (10 + 2) + 2
     from flowvm.programs import kmeans
 
     assert static_steps(kmeans.build()) is None  # a WHILE
@@ -347,9 +348,9 @@ def test_a_progress_bar_on_a_terminal():
     stdout = proc.communicate(timeout=30)[0].decode()
     seen = b"".join(chunks).decode(errors="replace")
     assert proc.returncode == 0
-    assert "\r" in seen and "step/s" in seen and "3007/3007" in seen and "100%" in seen
+    assert "\r" in seen and "step/s" in seen and "3008/3008" in seen and "100%" in seen
     assert "batch=3" in seen  # the registers the program shows
-    assert "finished after 3007 steps" in stdout
+    assert "finished after 3008 steps" in stdout
 
 
 def test_saving_after_every_step_for_thousands_of_steps(tmp_path):

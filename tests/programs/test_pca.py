@@ -65,6 +65,7 @@ def test_pca_listing():
         "            components = StreamingPCA.analyze(x)",
         "            explained = StreamingPCA.explained()",
         "    components = StreamingPCA.components()",
+        "    model = StreamingPCA.model()",
     ])
 
 

@@ -129,16 +129,18 @@ def test_kmeans_resumes_from_a_checkpoint_file_at_a_random_step(tmp_path):
 
 def test_kmeans_listing():
     assert str(kmeans.build()) == "\n".join([
-        "REPEAT 3 (counter restart):",
-        "    SEQ:",
-        "        centers = Lloyd.init_centers(x)",
-        "        WHILE Lloyd.running():",
-        "            SEQ:",
-        "                labels = assign(x, centers)",
-        "                centers = Lloyd.update(x, labels, centers)",
-        "        labels = assign(x, centers)",
-        "        inertia = inertia(x, centers, labels)",
-        "        best = Lloyd.keep_best(best, centers, labels, inertia)",
+        "SEQ:",
+        "    REPEAT 3 (counter restart):",
+        "        SEQ:",
+        "            centers = Lloyd.init_centers(x)",
+        "            WHILE Lloyd.running():",
+        "                SEQ:",
+        "                    labels = assign(x, centers)",
+        "                    centers = Lloyd.update(x, labels, centers)",
+        "            labels = assign(x, centers)",
+        "            inertia = inertia(x, centers, labels)",
+        "            best = Lloyd.keep_best(best, centers, labels, inertia)",
+        "    model = KMeansModel(best)",
     ])
 
 

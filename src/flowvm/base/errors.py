@@ -177,6 +177,11 @@ class UnknownPassError(PassError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+@stable("flowvm")
+class DataError(FlowError, ValueError):
+    """Data a program cannot use; the message names the file (or argument), row and column at fault."""
+
+
 class FusionWarning(RuntimeWarning):
     """A fused step could not be compiled and runs eagerly."""
 

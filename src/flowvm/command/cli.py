@@ -21,6 +21,11 @@ last save, and ``flowvm resume`` continues bit for bit, saving as often as
 the run was told to unless given a new interval.  ``--key`` signs
 checkpoints; a signed file is only resumed or shown with its key.
 
+A checkpoint path ending in ``.safetensors`` holds the run's state only, no code (flowvm.persist.state):
+``run`` writes it with save_state, ``resume`` builds the program again from the target and ``--set`` options
+the file records (or ``--program``/``--set`` given) and loads the state into it, ``show`` reads it without
+importing anything (see the section "state checkpoints" below).
+
 Checkpoint locations are local paths or fsspec URLs (``s3://bucket/run.ckpt``,
 ``memory://...``; see flowvm.persist.storage): a URL is kept as a str, since a Path
 would collapse its ``//``, and is read and checked through flowvm.persist.storage.
@@ -37,12 +42,14 @@ import os
 import pkgutil
 import signal
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from ..persist import checkpoint
 from ..persist import storage
+from ..persist import state
 from ..machine.driver import Driver
 from ..program.elements import Element
 from ..base.errors import CheckpointError, FlowError
@@ -171,6 +178,27 @@ def build_program(target: str, sets: list[str]):
     return module, program
 
 
+def _check_output(path: str | None) -> None:
+    from ..programs import MODEL_SUFFIXES
+
+    if path is not None and Path(path).suffix.lower() not in MODEL_SUFFIXES:
+        raise SystemExit(f"flowvm: --output {path}: give a file ending in {', '.join(MODEL_SUFFIXES)}")
+
+
+def _write_model(drv: Driver, module: ModuleType | None, path: str | None) -> None:
+    """--output: the finished run's model (its module's model(registers)) written to path."""
+    if path is None or not drv.done:
+        return
+    model_of = getattr(module, "model", None) if module is not None else None
+    if model_of is None:
+        raise SystemExit(f"flowvm: --output {path}: the program gives no model (its module has no "
+                         "model(registers) function)")
+    from ..programs import save_model
+
+    save_model(model_of(drv.registers), path)
+    print(f"model written to {path}")
+
+
 def _finish(drv: Driver, module: ModuleType | None, ckpt: Path | str | None, signed: bool = False) -> None:
     if not drv.done:
         hint = f"; continue with `flowvm resume {ckpt}`" if ckpt is not None else ""
@@ -241,8 +269,9 @@ def _trusted_header(args, path: Path | str) -> tuple[dict, str | None]:
 
 
 def _runner(args, drv: Driver, meta: dict, ckpt: Path | str | None) -> Runner:
-    return Runner(drv, meta.get("show", []), ckpt, args.every, args.every_seconds, meta, _key(args),
-                  args.progress, args.progress_every, getattr(args, "stop", None))
+    kind = StateRunner if is_state(ckpt) else Runner
+    return kind(drv, meta.get("show", []), ckpt, args.every, args.every_seconds, meta, _key(args),
+                args.progress, args.progress_every, getattr(args, "stop", None))
 
 
 def set_threads(threads: int | None) -> None:
@@ -280,6 +309,8 @@ def _refuse_to_overwrite(path: Path | str | None, force: bool) -> None:
     no checkpoint at all."""
     if path is None or force:
         return
+    if is_state(path):
+        return _refuse_to_overwrite_state(path)
     if isinstance(path, str):  # a URL: read through the store (_check_checkpoint_path named its problems)
         try:
             start = storage.read_start(path, len(checkpoint.MAGIC), missing_ok=True)
@@ -311,6 +342,9 @@ def _refuse_to_overwrite(path: Path | str | None, force: bool) -> None:
 def cmd_run(args) -> int:
     _check_checkpoint_path(args.checkpoint)
     _refuse_to_overwrite(args.checkpoint, args.force)
+    _check_output(args.output)
+    if args.data is not None:  # an option like the others, so that it is recorded with them
+        args.set.append(f"data={str(Path(args.data).resolve())!r}")
     module = load_module(args.target)
     threads = args.threads if args.threads is not None else getattr(module, "THREADS", None)
     set_threads(threads)
@@ -318,6 +352,8 @@ def cmd_run(args) -> int:
     drv = program.start()
     if args.threads is not None:  # instead of what the program declares (with_process_settings)
         drv.resume_with(settings={"torch.threads": args.threads})
+    if is_state(args.checkpoint):
+        state.collect(drv, args.checkpoint)  # a program whose state a file cannot hold is refused before it runs
     target = args.target
     if target.endswith(".py") or os.sep in target or "/" in target:
         target = str(Path(target).resolve())  # so that `flowvm resume` finds it from any directory
@@ -326,6 +362,7 @@ def cmd_run(args) -> int:
             "every": args.every, "every_seconds": args.every_seconds}
     status = _runner(args, drv, meta, args.checkpoint).run(args.max_steps)
     _finish(drv, module, args.checkpoint, _key(args) is not None)
+    _write_model(drv, module, args.output)
     return status
 
 
@@ -344,6 +381,10 @@ def _module_of(meta: dict) -> ModuleType | None:
 
 
 def cmd_resume(args) -> int:
+    if is_state(args.path):
+        return cmd_resume_state(args)
+    if args.program is not None or args.set:
+        raise SystemExit("flowvm: --program and --set resume state checkpoints (.safetensors) only")
     _check_checkpoint_path(args.checkpoint)
     header, key = _trusted_header(args, args.path)
     meta = header.get("meta") or {}
@@ -357,12 +398,16 @@ def cmd_resume(args) -> int:
     if args.threads is not None:
         drv.resume_with(settings={"torch.threads": args.threads})
     target = args.checkpoint if args.checkpoint is not None else args.path
+    _check_output(args.output)
     status = _runner(args, drv, meta, target).run(args.max_steps)
     _finish(drv, module, target, key is not None)
+    _write_model(drv, module, args.output)
     return status
 
 
 def cmd_show(args) -> int:
+    if is_state(args.path):
+        return cmd_show_state(args)
     header, key = _trusted_header(args, args.path)
     meta = header.get("meta") or {}
     _module_of(meta)
@@ -373,6 +418,94 @@ def cmd_show(args) -> int:
           f"at {header['created']}")
     print(drv)  # the listing, headed by the step count and marked at the position
     print(registers_summary(drv.registers))
+    return 0
+
+
+# ------------------------------------------------------------------ state checkpoints (.safetensors)
+def is_state(path: Path | str | None) -> bool:
+    """Whether a checkpoint location holds a state checkpoint (its suffix chooses the format)."""
+    return path is not None and str(path).endswith(state.SUFFIX)
+
+
+class StateRunner(Runner):
+    """A Runner whose checkpoints are state files (save_state)."""
+
+    def save(self) -> None:
+        if self.ckpt is not None:
+            state.save_state(self.drv, self.ckpt, key=self.key, meta=self.meta)
+            self.saved_step, self.saved_time = self.drv.steps, time.monotonic()
+
+
+def _refuse_to_overwrite_state(path: Path | str) -> None:
+    """As _refuse_to_overwrite, for a state file: replace only a finished run or a damaged flowvm state file."""
+    try:
+        header = state.read_state_header(path)
+    except CheckpointError as err:
+        if err.reason in ("no such file", "no such object"):
+            return
+        if not err.reason.startswith(("corrupted", "refused")):  # not recognizably a flowvm state file
+            raise SystemExit(f"flowvm: {path} exists and is not a flowvm state checkpoint ({err.reason}); choose "
+                             "another --checkpoint path, or pass --force to replace it") from None
+        return
+    if not header.get("done"):
+        target = (header.get("meta") or {}).get("target") or header.get("program")
+        raise SystemExit(f"flowvm: {path} holds an unfinished run ({target}, step {header.get('steps')}); "
+                         f"continue it with `flowvm resume {path}`, or pass --force to start over")
+
+
+def _state_header(args) -> tuple[dict, str | None]:
+    """The checked header of a state file and the key to load it with (a signed file needs its key)."""
+    key = _key(args)
+    header = state.read_state_header(args.path)
+    if header.get("signed") and key is None:
+        raise SystemExit(f"flowvm: {args.path} is signed: give its key with --key or ${KEY_ENV}")
+    if key is not None:
+        header = state.read_state_header(args.path, key=key)
+    return header, key
+
+
+def cmd_resume_state(args) -> int:
+    """Build the program again (the recorded target and options, or --program; --set adds options) and
+    load the saved state into it."""
+    _check_checkpoint_path(args.checkpoint)
+    header, key = _state_header(args)
+    meta = dict(header.get("meta") or {})
+    target = args.program or meta.get("target")
+    if not target:
+        raise SystemExit(f"flowvm: {args.path} does not record which program it ran; give it with --program TARGET")
+    if args.program is not None and (target.endswith(".py") or os.sep in target or "/" in target):
+        target = str(Path(target).resolve())  # as run records it: found again from any directory
+    sets = (list(meta.get("sets", [])) if args.program is None else []) + list(args.set)
+    module, program = build_program(target, sets)
+    set_threads(args.threads)
+    if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
+        args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
+    meta.update(target=target, module=module.__name__, sets=sets, every=args.every, every_seconds=args.every_seconds,
+                show=list(getattr(module, "SHOW", meta.get("show", []))))
+    classes = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
+    drv = state.load_state(args.path, program, key=key, restore_settings=not args.keep_settings,
+                           classes=classes)  # the program module's own classes: results its run made
+    if args.threads is not None:
+        drv.resume_with(settings={"torch.threads": args.threads})
+    ckpt = args.checkpoint if args.checkpoint is not None else args.path
+    _check_output(args.output)
+    status = _runner(args, drv, meta, ckpt).run(args.max_steps)
+    _finish(drv, module, ckpt, key is not None)
+    _write_model(drv, module, args.output)
+    return status
+
+
+def cmd_show_state(args) -> int:
+    """Print a state file's run: its saved listing with the position, and its registers; imports nothing."""
+    _, key = _state_header(args)
+    header, listing, registers = state.show_state(args.path, key=key)
+    meta = header.get("meta") or {}
+    what = f" {meta['target']}" + "".join(f" --set {s}" for s in meta.get("sets", [])) + "," \
+        if meta.get("target") else ""
+    print(f"# {args.path}:{what} state checkpoint written by flowvm {header['flowvm']} (Python {header['python']}) "
+          f"at {header['created']}")
+    print(listing)
+    print(registers_summary(registers))
     return 0
 
 
@@ -422,6 +555,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def running(sp):
+        sp.add_argument("--output", metavar="PATH", help="when the run finishes, write its fitted model (the "
+                        "program's model(registers)): .npz (its attributes by name), .pt or .safetensors")
         sp.add_argument("--checkpoint", type=checkpoint_location,
                         help="save the run to this file or fsspec URL (s3://bucket/key), atomically")
         sp.add_argument("--every", type=int, metavar="N", help="save every N steps")
@@ -442,6 +577,7 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a program")
     run.add_argument("target", help="bundled program name, module name or .py file")
     run.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a build() option")
+    run.add_argument("--data", metavar="PATH", help="the program's data: a .npy, .npz or .csv file (build(data=...))")
     run.add_argument("--force", action="store_true",
                      help="start over even if --checkpoint holds an unfinished run (which is replaced)")
     running(run)
@@ -449,6 +585,11 @@ def parser() -> argparse.ArgumentParser:
 
     resume = sub.add_parser("resume", help="continue a saved run")
     resume.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
+    resume.add_argument("--program", metavar="TARGET",
+                        help="state checkpoints: resume into this program (bundled name, module or .py file) "
+                             "instead of the one the file records")
+    resume.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="state checkpoints: a build() option, over those the file records (a new setting)")
     resume.add_argument("--keep-settings", action="store_true",
                         help="keep this process's settings (torch threads, deterministic algorithms, ...) "
                              "instead of those the run was saved with")

@@ -2,7 +2,10 @@
 
 Each module has ``build(**options)`` returning a program with sensible
 defaults, ``SHOW`` (register names worth showing while it runs) and
-``report(registers)`` (a one-paragraph summary of the result).
+``report(registers)`` (a one-paragraph summary of the result).  Those that fit
+a model to data take the user's data as ``build(data=...)`` (see
+``flowvm.load_data``) and give the fitted model of a finished run as
+``model(registers)``, with scikit-learn's attribute names where there are such.
 """
 
 import numbers as _numbers
@@ -23,3 +26,67 @@ def check_options(program: str, counts: dict | None = None, positive: dict | Non
             raise TypeError(f"{program}: {name} must be a number > 0, got {type(value).__name__} {value!r}")
         if not value > 0:
             raise ValueError(f"{program}: {name} must be > 0, got {value}")
+
+
+class Rows:
+    """The rows of an array in batches of ``size``, one pass (the last batch may be smaller); its position
+    is one int (plain data), so a run resumes at the batch it stopped at."""
+
+    def __init__(self, x, size: int):
+        self.x = x
+        self.size = int(size)
+        self.batches = -(-len(x) // self.size)
+        self.position = 0
+
+    def next(self):
+        import numpy as np
+
+        start = self.position * self.size
+        self.position += 1
+        return np.asarray(self.x[start:start + self.size], dtype=np.float64)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+MODEL_SUFFIXES = (".npz", ".pt", ".safetensors")
+
+
+def model_attributes(model) -> dict:
+    """A fitted model's attributes as scikit-learn names them (those ending in ``_``), by name."""
+    return {name: value for name, value in vars(model).items() if name.endswith("_") and not name.startswith("_")}
+
+
+def save_model(model, path) -> None:
+    """Write a program's fitted model: ``.npz`` holds its attributes under their names (``components_``,
+    ``cluster_centers_``, ...: ``numpy.load(path)["components_"]``); ``.safetensors`` the same as tensors;
+    ``.pt`` the model itself for a torch module (``torch.load(path, weights_only=False)``), else its
+    attributes (``torch.load(path)``)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    suffix = Path(path).suffix.lower()
+    if suffix not in MODEL_SUFFIXES:
+        raise ValueError(f"save_model: {path}: give a file ending in {', '.join(MODEL_SUFFIXES)}")
+    is_module = any(c.__module__.startswith("torch.nn") for c in type(model).__mro__)
+    if suffix == ".pt":
+        import torch
+
+        torch.save(model if is_module else {k: torch.as_tensor(np.asarray(v)) for k, v in model_attributes(model).items()},
+                   path)
+        return
+    if is_module:
+        arrays = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    else:
+        arrays = {k: np.asarray(v) for k, v in model_attributes(model).items()}
+    if suffix == ".npz":
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+    else:
+        from safetensors.numpy import save_file
+
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(path))

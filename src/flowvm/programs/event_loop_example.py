@@ -46,6 +46,13 @@ class LinearStream:
         x = self.rng.standard_normal((self.batch, self.w_true.size))
         return x, x @ self.w_true + 0.01 * self.rng.standard_normal(self.batch)
 
+    def state_dict(self) -> dict:
+        """The stream's position: its generator's state (w_true is rebuilt from the seed)."""
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+
 
 def sgd_step(w: np.ndarray, batch, lr: float):
     """One SGD step on the squared error; returns the new weights and the batch loss."""

@@ -3,17 +3,21 @@
 Each Lloyd iteration is two steps, an assignment and an update, inside a
 WHILE that stops when no center moves by more than ``tol`` (or after
 ``max_iter`` iterations); a REPEAT runs ``restarts`` of them and keeps the
-one with the lowest inertia.  The data are Gaussian blobs around known
-centers, generated from a seed.
+one with the lowest inertia.  By default the data are Gaussian blobs around
+known centers, generated from a seed; ``data=`` (``--data`` on the command
+line) takes the user's own (an array, a tensor, a Dataset or a .npy/.npz/.csv
+file).  ``model(registers)`` gives the fit with scikit-learn's names
+(``cluster_centers_``, ``labels_``, ``inertia_``, ``n_iter_``, ``predict(X)``).
 
     flowvm run kmeans --set clusters=5 --set restarts=4
+    flowvm run kmeans --data points.csv --set clusters=8 --output kmeans.npz
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from flowvm import CALL, REPEAT, SEQ, WHILE, Registers
+from flowvm import CALL, REPEAT, SEQ, WHILE, DataError, Registers, load_data
 from flowvm.programs import check_options
 
 SHOW = ["restart", "inertia"]
@@ -84,18 +88,56 @@ class Lloyd:
             return best
         return {"centers": centers, "labels": labels, "inertia": score, "iterations": self.iteration}
 
+    def state_dict(self) -> dict:
+        """The generator's state, the iteration count and the last shift (clusters, tol and max_iter are
+        settings)."""
+        return {"rng": self.rng.bit_generator.state, "iteration": self.iteration, "shift": self.shift}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.iteration, self.shift = int(state["iteration"]), float(state["shift"])
+
+
+class KMeansModel:
+    """A fitted k-means, as scikit-learn's ``KMeans`` names it."""
+
+    def __init__(self, best: dict):
+        self.cluster_centers_ = np.asarray(best["centers"], dtype=np.float64)
+        self.labels_ = np.asarray(best["labels"])
+        self.inertia_ = float(best["inertia"])
+        self.n_iter_ = int(best["iterations"])
+        self.n_clusters = len(self.cluster_centers_)
+
+    def predict(self, X) -> np.ndarray:
+        """The index of the nearest center of each row of X."""
+        return assign(np.asarray(X, dtype=np.float64), self.cluster_centers_)
+
+    def transform(self, X) -> np.ndarray:
+        """Distances of each row of X to each center."""
+        X = np.asarray(X, dtype=np.float64)
+        return np.sqrt(((X[:, None, :] - self.cluster_centers_[None, :, :]) ** 2).sum(axis=2))
+
 
 def build(samples: int = 5000, clusters: int = 6, dim: int = 2, spread: float = 1.0, restarts: int = 3,
-          tol: float = 1e-6, max_iter: int = 100, seed: int = 0):
-    """k-means with `restarts` k-means++ starts on `samples` points in `clusters` Gaussian blobs."""
+          tol: float = 1e-6, max_iter: int = 100, seed: int = 0, data=None):
+    """k-means with `restarts` k-means++ starts on `samples` points in `clusters` Gaussian blobs, or on data
+    (then samples, dim and spread are not used)."""
     check_options("kmeans", counts=dict(samples=samples, clusters=clusters, dim=dim, restarts=restarts,
                                         max_iter=max_iter), positive=dict(spread=spread))
-    if samples < clusters:
-        raise ValueError(f"kmeans: {clusters} clusters need at least as many samples, got samples={samples}")
-    x, true_centers = make_blobs(samples, clusters, dim, spread, seed)
+    if data is not None:
+        given = load_data(data, name="kmeans data")
+        x, true_centers = np.asarray(given.x, dtype=np.float64), None
+        distinct = len(np.unique(x, axis=0))
+        if distinct < clusters:
+            raise DataError(f"{given.source}: {clusters} clusters need at least {clusters} distinct points; "
+                            f"the data has {distinct}")
+    else:
+        if samples < clusters:
+            raise ValueError(f"kmeans: {clusters} clusters need at least as many samples, got samples={samples}")
+        x, true_centers = make_blobs(samples, clusters, dim, spread, seed)
     reg = Registers(x=x, true_centers=true_centers, best=None)
     run = Lloyd(clusters, tol, max_iter, seed + 1)
-    return REPEAT(restarts, SEQ([
+    return SEQ([REPEAT(restarts, SEQ([
         CALL(run.init_centers, reg("x"), store_to=reg("centers")),
         WHILE(CALL(run.running), SEQ([
             CALL(assign, reg("x"), reg("centers"), store_to=reg("labels")),
@@ -104,16 +146,21 @@ def build(samples: int = 5000, clusters: int = 6, dim: int = 2, spread: float = 
         CALL(assign, reg("x"), reg("centers"), store_to=reg("labels")),
         CALL(inertia, reg("x"), reg("centers"), reg("labels"), store_to=reg("inertia")),
         CALL(run.keep_best, reg("best"), reg("centers"), reg("labels"), reg("inertia"), store_to=reg("best")),
-    ]), counter=reg("restart"))
+    ]), counter=reg("restart")), CALL(KMeansModel, reg("best"), store_to=reg("model"))])
+
+
+def model(registers) -> KMeansModel:
+    """The fitted k-means of a finished run: the best of its restarts."""
+    return registers["model"]
 
 
 def report(registers) -> str:
     best, truth = registers["best"], registers["true_centers"]
     found = best["centers"]
-    # distance from each true center to the nearest found one
-    miss = np.sqrt(((truth[:, None, :] - found[None, :, :]) ** 2).sum(axis=2)).min(axis=1)
     lines = [f"k-means: {len(found)} clusters of {len(registers['x'])} points, best of {registers['restart']} "
-             f"restarts: inertia {best['inertia']:.4f} after {best['iterations']} iterations",
-             f"largest distance from a true center to its nearest found center: {miss.max():.4f}"]
+             f"restarts: inertia {best['inertia']:.4f} after {best['iterations']} iterations"]
+    if truth is not None:  # the built-in blobs: how near the found centers are to the true ones
+        miss = np.sqrt(((truth[:, None, :] - found[None, :, :]) ** 2).sum(axis=2)).min(axis=1)
+        lines.append(f"largest distance from a true center to its nearest found center: {miss.max():.4f}")
     lines += [f"  center {i}: " + " ".join(f"{v:+.3f}" for v in c) for i, c in enumerate(found)]
     return "\n".join(lines)

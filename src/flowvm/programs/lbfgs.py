@@ -65,6 +65,20 @@ class Objective:
     def solution(self) -> np.ndarray:
         return self.x.detach().numpy().copy()
 
+    def state_dict(self) -> dict:
+        """The point, its gradient (None when unset) and the evaluation count; the problem is rebuilt by
+        build()."""
+        grad = self.x.grad
+        return {"x": self.x.detach().clone(), "grad": None if grad is None else grad.clone(),
+                "evaluations": self.evaluations}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            self.x.copy_(state["x"])  # in place: the optimizer holds this tensor
+        grad = state["grad"]
+        self.x.grad = None if grad is None else grad.to(dtype=self.x.dtype).clone()
+        self.evaluations = int(state["evaluations"])
+
 
 class Rosenbrock(Objective):
     """sum 100 (x[i+1] - x[i]^2)^2 + (1 - x[i])^2; minimum 0 at all ones."""
@@ -114,6 +128,13 @@ class Stopping:
 
     def keep_going(self, grad_norm: float) -> bool:
         return grad_norm > self.tol and self.iterations() < self.max_iter
+
+    def state_dict(self) -> dict:
+        """The optimizer's state dict (tol and max_iter are settings)."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
 
 
 def make_problem(problem: str, dim: int, seed: int) -> Objective:

@@ -75,6 +75,15 @@ class Trainer:
         """history with one more entry for the current update."""
         return history + [{"update": self.updates, "epoch": epoch, "loss": loss, "accuracy": accuracy}]
 
+    def state_dict(self) -> dict:
+        """The model's and the optimizer's state dicts and the update count."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.updates = int(state["updates"])
+
 
 def weights(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]

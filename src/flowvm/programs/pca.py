@@ -2,17 +2,24 @@
 
 The classic flowvm example: gather a batch of samples with BUFFER, fold it
 into running moments, and recompute the principal components after each
-batch.  The data come from a seeded Gaussian stream whose covariance has a
-known spectrum, so the result can be checked against numpy's SVD.
+batch.  By default the data come from a seeded Gaussian stream whose
+covariance has a known spectrum, so the result can be checked against
+numpy's SVD; ``data=`` (``--data`` on the command line) takes the user's own:
+an array, a tensor, a Dataset or a .npy/.npz/.csv file, read in batches of
+``samples`` rows, one pass.  ``model(registers)`` gives the fit with
+scikit-learn's names (``mean_``, ``components_``, ``explained_variance_``,
+``explained_variance_ratio_``, ``transform(X)``).
 
     flowvm run pca --set batches=20 --set components=4
+    flowvm run pca --data points.csv --set components=2 --output pca.npz
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from flowvm import BUFFER, CALL, REPEAT, SEQ, Registers
+from flowvm import BUFFER, CALL, REPEAT, SEQ, Registers, load_data
+from flowvm.programs import Rows
 
 SHOW = ["batch", "explained"]
 
@@ -34,6 +41,13 @@ class GaussianStream:
 
     def next_batch(self, n: int) -> np.ndarray:
         return np.stack([self.next() for _ in range(n)])
+
+    def state_dict(self) -> dict:
+        """The stream's position: its generator's state (the distribution is rebuilt from the seed)."""
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
 
 
 class StreamingPCA:
@@ -66,13 +80,55 @@ class StreamingPCA:
         comps = vectors[:, order].T
         return comps * np.sign(comps[np.arange(len(comps)), np.abs(comps).argmax(axis=1)])[:, None]
 
+    def model(self) -> "PCAModel":
+        """The fit so far, with scikit-learn's attribute names."""
+        values, vectors = np.linalg.eigh(self.covariance())
+        order = np.argsort(values)[::-1]
+        values = np.maximum(values[order], 0.0)
+        comps = self.components()
+        return PCAModel(self.total / self.count, comps, values[: self.n_components].copy(),
+                        values[: self.n_components] / values.sum(), self.count)
+
     def explained(self) -> list[float]:
         values = np.sort(np.linalg.eigvalsh(self.covariance()))[::-1]
         return [round(float(v), 6) for v in values[: self.n_components] / values.sum()]
 
+    def state_dict(self) -> dict:
+        """The running sums (copies; None before the first batch); n_components is a setting."""
+        return {"count": self.count, "total": None if self.total is None else self.total.copy(),
+                "outer": None if self.outer is None else self.outer.copy()}
 
-def build(samples: int = 1000, batches: int = 5, dim: int = 13, components: int = 3, seed: int = 123):
-    """PCA of batches x samples points of a dim-dimensional Gaussian stream."""
+    def load_state_dict(self, state: dict) -> None:
+        self.count = int(state["count"])
+        self.total = None if state["total"] is None else np.array(state["total"], dtype=np.float64)
+        self.outer = None if state["outer"] is None else np.array(state["outer"], dtype=np.float64)
+
+
+class PCAModel:
+    """A fitted PCA, as scikit-learn's ``PCA`` names it (whiten=False)."""
+
+    def __init__(self, mean, components, explained_variance, explained_variance_ratio, n_samples):
+        self.mean_ = np.asarray(mean, dtype=np.float64)
+        self.components_ = np.asarray(components, dtype=np.float64)
+        self.explained_variance_ = np.asarray(explained_variance, dtype=np.float64)
+        self.explained_variance_ratio_ = np.asarray(explained_variance_ratio, dtype=np.float64)
+        self.n_components_ = len(self.components_)
+        self.n_samples_ = int(n_samples)
+
+    def transform(self, X) -> np.ndarray:
+        """X (rows are samples) in the components' coordinates."""
+        return (np.asarray(X, dtype=np.float64) - self.mean_) @ self.components_.T
+
+    def inverse_transform(self, Z) -> np.ndarray:
+        return np.asarray(Z, dtype=np.float64) @ self.components_ + self.mean_
+
+
+def build(samples: int = 1000, batches: int = 5, dim: int = 13, components: int = 3, seed: int = 123,
+          data=None):
+    """PCA of batches x samples points of a dim-dimensional Gaussian stream, or of data (then samples is
+    the batch size, and batches and dim come from the data)."""
+    if data is not None:
+        return _build_on(load_data(data, name="pca data"), samples, components)
     if not 1 <= components <= dim:
         raise ValueError(f"pca: components must be between 1 and dim={dim}, got {components}")
     if samples < 1 or batches < 1 or samples * batches < 2:
@@ -87,7 +143,35 @@ def build(samples: int = 1000, batches: int = 5, dim: int = 13, components: int 
             CALL(pca.explained, store_to=reg("explained")),
         ]), counter=reg("batch")),
         CALL(pca.components, store_to=reg("components")),
+        CALL(pca.model, store_to=reg("model")),
     ])
+
+
+def _build_on(data, samples: int, components: int):
+    n, dim = data.x.shape
+    if not 1 <= components <= dim:
+        raise ValueError(f"pca: components must be between 1 and the data's {dim} columns, got {components}")
+    if n < 2:
+        raise ValueError(f"pca: {data.source} has {n} sample; PCA needs at least 2")
+    if samples < 1:
+        raise ValueError(f"pca: samples (the batch size) must be >= 1, got {samples}")
+    reg = Registers()
+    rows = Rows(data.x, samples)
+    pca = StreamingPCA(components)
+    return SEQ([
+        REPEAT(rows.batches, SEQ([
+            CALL(rows.next, store_to=reg("x")),
+            CALL(pca.analyze, reg("x"), store_to=reg("components")),
+            CALL(pca.explained, store_to=reg("explained")),
+        ]), counter=reg("batch")),
+        CALL(pca.components, store_to=reg("components")),
+        CALL(pca.model, store_to=reg("model")),
+    ])
+
+
+def model(registers) -> PCAModel:
+    """The fitted PCA of a finished run."""
+    return registers["model"]
 
 
 def report(registers) -> str:

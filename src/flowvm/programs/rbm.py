@@ -79,6 +79,15 @@ class RBM:
     def parameters(self) -> dict:
         return {"w": self.w.copy(), "b": self.b.copy(), "c": self.c.copy()}
 
+    def state_dict(self) -> dict:
+        """The weights and biases (copies), the generator's state and the update count (lr is a setting)."""
+        return {**self.parameters(), "rng": self.rng.bit_generator.state, "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.w, self.b, self.c = (np.array(state[k], dtype=np.float64) for k in ("w", "b", "c"))
+        self.rng.bit_generator.state = state["rng"]
+        self.updates = int(state["updates"])
+
 
 def append(items: list, item) -> list:
     return items + [item]

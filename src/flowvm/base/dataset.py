@@ -1,0 +1,266 @@
+"""A user's data set, for the bundled programs: arrays, tensors, (x, y) pairs, torch Datasets and files
+(.npy, .npz, .csv), checked before a run starts.
+
+``load_data(data)`` returns a ``Data``: ``x`` (a 2-d float array: one row per sample), ``y`` (integer labels
+0..C-1, or None) and ``source`` (where it came from, for messages).  Bad data raises ``DataError`` naming the
+file, row or column: NaN or infinite values, ragged rows, a non-numeric column, labels that are not integers
+0..C-1.
+
+A ``.npy`` file is memory-mapped, not read: its ``x`` is a ``FileArray``, which a checkpoint (or any pickle)
+stores as a reference to the file (its path, size and a digest of its header and first and last blocks),
+checked when the run is loaded again, instead of a copy of the data.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import DataError
+from ..pickled import stable
+
+__all__ = ["Data", "DataError", "FileArray", "load_data"]
+
+BLOCK = 1 << 20  # the bytes of each end of a file that its digest covers
+
+
+class Data:
+    """Samples ``x`` (n x d floats), labels ``y`` (n ints in 0..C-1) or None, and where they came from."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray | None, source: str):
+        self.x, self.y, self.source = x, y, source
+
+    @property
+    def classes(self) -> int:
+        return 0 if self.y is None else int(self.y.max()) + 1
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def split(self, fraction: float, seed: int = 0) -> tuple["Data", "Data | None"]:
+        """(train, held out): a seeded shuffle's last ``fraction`` of the samples held out (None for 0)."""
+        if not 0 <= fraction < 1:
+            raise DataError(f"{self.source}: val_fraction must be in [0, 1), got {fraction!r}")
+        n_val = int(round(len(self.x) * fraction))
+        if n_val == 0:
+            return self, None
+        order = np.random.default_rng(seed).permutation(len(self.x))
+        train, val = order[:-n_val], order[-n_val:]
+        pick = (lambda a, i: None if a is None else np.asarray(a)[np.sort(i)])
+        return (Data(pick(self.x, train), pick(self.y, train), f"{self.source} (training split)"),
+                Data(pick(self.x, val), pick(self.y, val), f"{self.source} (held-out split)"))
+
+
+def _digest(path: Path) -> str:
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(BLOCK))
+        if size > BLOCK:
+            f.seek(max(size - BLOCK, BLOCK))
+            h.update(f.read(BLOCK))
+    return h.hexdigest()
+
+
+class FileArray(np.memmap):
+    """A memory-mapped ``.npy`` file that pickles as a reference to the file, checked when unpickled."""
+
+    def __reduce_ex__(self, protocol):
+        ref = getattr(self, "_flowvm_file", None)
+        if ref is None or self.shape != ref[3] or not self.flags.c_contiguous:  # a slice or a copy: its data
+            return np.asarray(self).copy().__reduce_ex__(protocol)
+        return open_file_array, ref
+
+
+@stable("flowvm.pickled")
+def open_file_array(path: str, size: int, digest: str, shape: tuple) -> FileArray:
+    """Map the file a FileArray was made from again, once it is checked to be the same file."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{path}: the data file the run was saved with is missing (it is referenced, not copied)")
+    if p.stat().st_size != size or _digest(p) != digest:
+        raise DataError(f"{path}: the data file changed since the run was saved (its size or its contents "
+                        "differ); restore the original file to resume")
+    return _map(p, digest)
+
+
+def _map(path: Path, digest: str | None = None) -> FileArray:
+    raw = np.load(path, mmap_mode="r", allow_pickle=False)
+    arr = raw.view(FileArray)
+    arr._mmap = getattr(raw, "_mmap", None)  # keep the mapping alive with the view
+    size = path.stat().st_size
+    arr._flowvm_file = (str(path.resolve()), size, digest or _digest(path), tuple(raw.shape))
+    return arr
+
+
+def _check_finite(x: np.ndarray, source: str) -> None:
+    bad = ~np.isfinite(x)
+    if bad.any():
+        row, col = np.argwhere(bad)[0] if x.ndim == 2 else (int(np.argwhere(bad)[0][0]), 0)
+        raise DataError(f"{source}: row {int(row)}, column {int(col)} holds {x[row, col] if x.ndim == 2 else x[row]} "
+                        "(NaN and infinite values are not allowed)")
+
+
+def _as_samples(x: Any, source: str) -> np.ndarray:
+    if type(x).__module__.startswith("torch"):
+        x = x.detach().cpu().numpy()
+    try:
+        arr = x if isinstance(x, np.ndarray) else np.asarray(x)
+    except ValueError as err:  # ragged nested lists
+        raise DataError(f"{source}: rows of different lengths ({err})") from None
+    if arr.dtype == object:
+        raise DataError(f"{source}: rows of different lengths or values that are not numbers")
+    if arr.ndim == 1:
+        arr = arr[:, None]
+    elif arr.ndim > 2:
+        arr = arr.reshape(len(arr), -1)  # images and the like: one flat row per sample
+    if arr.ndim != 2 or len(arr) == 0:
+        raise DataError(f"{source}: no samples (shape {arr.shape})")
+    if not np.issubdtype(arr.dtype, np.number) and arr.dtype != bool:
+        raise DataError(f"{source}: values of type {arr.dtype} are not numbers")
+    if not isinstance(arr, FileArray):
+        arr = np.ascontiguousarray(arr, dtype=np.float64)
+    _check_finite(arr if isinstance(arr, FileArray) else arr, source)
+    return arr
+
+
+def _labels(y: Any, n: int, source: str) -> np.ndarray:
+    if type(y).__module__.startswith("torch"):
+        y = y.detach().cpu().numpy()
+    y = np.asarray(y)
+    if y.ndim != 1 or len(y) != n:
+        raise DataError(f"{source}: {n} samples but labels of shape {y.shape}")
+    if y.dtype.kind == "f":
+        if not np.isfinite(y).all() or (y != np.round(y)).any():
+            row = int(np.argwhere(~np.isfinite(y) | (y != np.round(y)))[0][0])
+            raise DataError(f"{source}: label of row {row} is {y[row].item()!r}, not an integer class 0..C-1")
+    elif y.dtype.kind not in "iub":
+        raise DataError(f"{source}: labels of type {y.dtype} are not integer classes 0..C-1")
+    y = y.astype(np.int64)
+    if (y < 0).any():
+        row = int(np.argwhere(y < 0)[0][0])
+        raise DataError(f"{source}: label of row {row} is {y[row]}, not a class 0..C-1")
+    missing = sorted(set(range(int(y.max()) + 1)) - set(np.unique(y).tolist()))
+    if missing:
+        raise DataError(f"{source}: labels must be the classes 0..C-1 with each present; class "
+                        f"{missing[0]} has no sample (labels run from 0 to {int(y.max())})")
+    return y
+
+
+def _read_csv(path: Path, label: int | str | None, supervised: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    with open(path, newline="") as f:
+        rows = [r for r in csv.reader(f) if r and any(c.strip() for c in r)]
+    if not rows:
+        raise DataError(f"{path}: empty file")
+
+    def numeric(row):
+        try:
+            [float(c) for c in row]
+            return True
+        except ValueError:
+            return False
+
+    header = None if numeric(rows[0]) else [c.strip() for c in rows[0]]
+    body = rows[1:] if header is not None else rows
+    width = len(rows[0])
+    col = None
+    if label is not None or supervised:
+        if label is None:
+            col = width - 1
+        elif isinstance(label, str) and not label.lstrip("-").isdigit():
+            if header is None or label not in header:
+                raise DataError(f"{path}: no column named {label!r} (columns: {header or 'no header row'})")
+            col = header.index(label)
+        else:
+            col = int(label) % width
+    values = []
+    for k, row in enumerate(body):
+        line = k + (2 if header is not None else 1)
+        if len(row) != width:
+            raise DataError(f"{path}: line {line} has {len(row)} values, the first row {width}")
+        out = []
+        for j, cell in enumerate(row):
+            try:
+                out.append(float(cell))
+            except ValueError:
+                name = f"column {j}" + (f" ({header[j]!r})" if header else "")
+                raise DataError(f"{path}: line {line}, {name} holds {cell.strip()!r}, not a number") from None
+        values.append(out)
+    arr = np.array(values, dtype=np.float64)
+    if col is None:
+        return arr, None
+    return np.delete(arr, col, axis=1), arr[:, col]
+
+
+def load_data(data: Any, *, supervised: bool = False, label: int | str | None = None,
+              name: str = "data") -> Data:
+    """``data`` as samples (and labels when ``supervised``, or when given): an array or tensor, an ``(x, y)``
+    pair, a ``torch.utils.data.Dataset`` (items ``x`` or ``(x, y)``), or a path to a ``.npy``, ``.npz``
+    (keys ``x`` and ``y``) or ``.csv`` file (a header row allowed; ``label``: the label column's name or
+    index, by default the last one when ``supervised``)."""
+    if isinstance(data, Data):
+        return data
+    if isinstance(data, (str, os.PathLike)):
+        path = Path(data)
+        source = str(path)
+        if not path.is_file():
+            raise DataError(f"{source}: no such file")
+        suffix = path.suffix.lower()
+        if suffix == ".npy":
+            x = _as_samples(_map(path), source)
+            return Data(x, None, source)
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                if "x" not in z:
+                    raise DataError(f"{source}: an .npz data file needs an array named 'x' (found {list(z.keys())})")
+                x = _as_samples(z["x"], f"{source} (x)")
+                y = _labels(z["y"], len(x), f"{source} (y)") if "y" in z else None
+        elif suffix == ".csv":
+            raw_x, raw_y = _read_csv(path, label, supervised)
+            x = _as_samples(raw_x, source)
+            y = None if raw_y is None else _labels(raw_y, len(x), f"{source} (label column)")
+        else:
+            raise DataError(f"{source}: unknown data file type {suffix!r} (use .npy, .npz or .csv)")
+        if supervised and y is None:
+            raise DataError(f"{source}: this program needs labels (an .npz with 'y', or a .csv label column)")
+        return Data(x, y, source)
+    if isinstance(data, tuple) and len(data) == 2:
+        x = _as_samples(data[0], f"{name} (x)")
+        return Data(x, _labels(data[1], len(x), f"{name} (y)"), name)
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__") and type(data).__module__.startswith("torch.utils") \
+            or _is_torch_dataset(data):
+        items = [data[i] for i in range(len(data))]
+        if items and isinstance(items[0], (tuple, list)) and len(items[0]) == 2:
+            xs, ys = zip(*items)
+            x = _as_samples(np.stack([_flat(v) for v in xs]), f"{name} (dataset samples)")
+            return Data(x, _labels(np.array([_scalar(v) for v in ys]), len(x), f"{name} (dataset labels)"), name)
+        return Data(_as_samples(np.stack([_flat(v) for v in items]), name), None, name)
+    x = _as_samples(data, name)
+    if supervised:
+        raise DataError(f"{name}: this program needs labels: give (x, y)")
+    return Data(x, None, name)
+
+
+def _is_torch_dataset(data: Any) -> bool:
+    try:
+        from torch.utils.data import Dataset
+    except ImportError:
+        return False
+    return isinstance(data, Dataset)
+
+
+def _flat(v: Any) -> np.ndarray:
+    if type(v).__module__.startswith("torch"):
+        v = v.detach().cpu().numpy()
+    return np.asarray(v, dtype=np.float64).reshape(-1)
+
+
+def _scalar(v: Any) -> Any:
+    if type(v).__module__.startswith("torch"):
+        return v.item()
+    return v

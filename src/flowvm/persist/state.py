@@ -1,0 +1,327 @@
+"""State checkpoints: a half-run driver's state in one safetensors file that holds no code.
+
+``save_state(driver, path)`` writes the run's state: every tensor and numpy array as a safetensors tensor,
+everything else as JSON in the file's metadata (all values are strings holding JSON)::
+
+    flowvm.format       "1"
+    flowvm.header       format, flowvm and Python versions, date, steps, done, position, signed, the user's
+                        meta (target and options for the command line), the program's fingerprint, settings
+    flowvm.program      the program's structure (kind and child count by path, the register names it uses),
+                        which load_state compares, and its listing (for ``flowvm show``)
+    flowvm.tensors      the tensor table: name -> kind ("numpy"/"torch"), dtype, shape (see statevalues)
+    flowvm.objects      [location, state] for every object the program's elements reach (see stateobjects)
+    flowvm.registers    [name, value] for every register, in order
+    flowvm.run          step count, done, result, the frames (each: element path, kind, counters), the
+                        value in transit, the listing's position marks
+    flowvm.environment  the global random states and the settings the run resumes with
+    flowvm.sha256       the checksum; flowvm.hmac: the signature (with key=)
+
+``load_state(path, program)`` checks the file (readable by safetensors, flowvm's metadata, the format, the
+checksum, then with a key the signature), compares ``program`` (built again from code) with the saved
+structure, and only then restores: the objects' states into the program's own objects, the registers, the
+frames (elements found by path in ``program``), the random states and settings (set at the first step, as for
+every copy of a run).  It never unpickles, imports or calls anything named in the file.
+
+The checksum is a SHA-256 of the metadata (but the checksum and signature) and of the SHA-256 of every 4 MiB
+piece of every tensor's bytes, in name order (a hash list, so that the pieces are hashed on every core); with
+a key, an HMAC-SHA256 of the same bytes.  Loading copies each tensor out of the mapped file into memory of its
+own and checks the copy: what is restored is what was checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+import warnings
+from typing import Any, Iterable
+
+from . import storage
+from ..base.environment import check_random, check_settings
+from ..base.errors import CheckpointError, CopyWarning
+from ..base.sentinels import NOVALUE
+from ..base.version import __version__
+from ..machine.frames import WEAVE_SEGMENTS, child_index, marks
+from ..program.analysis import all_registers
+from ..program.elements import WEAVE, Element
+from ..program.paths import format_path, get, parse_path, walk
+from ..program.printer import lines
+from .checkpoint import _key_bytes
+from .statefile import FORMAT, MAC, SUM, digests, read_state, views_of, write
+from .stateobjects import check_program_objects, encode_object, restore_object, roots
+from .statedecoder import Decoder
+from .statevalues import Encoder, Refused
+
+__all__ = ["save_state", "load_state", "read_state_header", "show_state", "read_state", "collect", "compare",
+           "structure", "SavedObject", "SUFFIX", "FORMAT"]
+
+SUFFIX = ".safetensors"
+
+
+def structure(program: Element) -> dict:
+    """What must match between a saved run and the program it is loaded into: the kind and the number of
+    children of every element, by path, and the names of the registers the program uses (not constants)."""
+    return {"elements": [[format_path(p), el.kind, len(el.children)] for p, el in walk(program)],
+            "registers": sorted({r.name for r in all_registers(program)})}
+
+
+def _fingerprint(shape: dict) -> str:
+    return hashlib.sha256(json.dumps(shape, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+# ====================================================================== saving
+def save_state(driver, path: str | os.PathLike, key: bytes | str | None = None, meta: dict | None = None):
+    """Write driver's state (with the global random states and settings of this moment) to path, atomically,
+    as a safetensors file holding no code; sign it with key if given.  ``meta``: a JSON-serializable dict kept
+    in the header.  Refuses (CheckpointError) a run holding something a state file cannot hold, naming the
+    register or the CALL and the object's type.  Returns where the file went (a Path, or the URL)."""
+    key = _key_bytes(key)
+    metadata, enc = collect(driver, path, key is not None, meta)
+    checksum, mac = digests(metadata, enc.table, views_of(enc.table, enc.data), key)
+    metadata[SUM] = checksum.hex()
+    if mac is not None:
+        metadata[MAC] = mac.hex()
+    write(path, enc.table, enc.data, metadata)
+    return storage.saved_location(path)
+
+
+def collect(driver, path: Any = "<state>", signed: bool = False, meta: dict | None = None) -> tuple[dict, Encoder]:
+    """The metadata (name -> JSON text) and the tensors (in the Encoder) of driver's state, unsigned."""
+    from ..machine.driver import Driver
+
+    if not isinstance(driver, Driver):
+        raise TypeError(f"save_state expects a flowvm Driver (prog.start()), got {type(driver).__name__}")
+    if driver.__dict__.get("dependency_overrides"):
+        raise CheckpointError(path, "cannot save the run's state: the driver has dependency_overrides (functions, "
+                                    "which a state file does not hold); set them again after load_state, or give "
+                                    "them to the program (with_overrides), which build() makes again")
+    try:
+        user_meta = json.loads(_dumps(meta or {}))
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"save_state: meta must be a JSON-serializable dict ({err})") from None
+    enc = Encoder(encode_object)
+    program = driver.program
+    try:
+        objects = [[loc, enc.value(obj, f"objects/{loc}")] for loc, obj in roots(program)]
+        enc.objects_allowed = False
+        registers = [[name, enc.value(v, f"registers/{name}")] for name, v in driver.registers.items()]
+        run = {"steps": driver.steps, "done": driver.done, "ready": driver._ready, "rotate": driver._rotate,
+               "fresh": driver._fresh, "result": enc.value(driver.result, "run/result"),
+               "stack": _frames(enc, driver._stack, ())}
+        if driver._carry is not NOVALUE:
+            run["carry"] = enc.value(driver._carry, "run/carry")
+        env = driver._resume_for_copy()
+        environment = {"random": enc.value(env["random"], "environment/random"), "settings": env["settings"]}
+    except Refused as err:
+        raise CheckpointError(path, f"cannot save the run's state: {err}") from None
+    if enc.graphs:
+        warnings.warn(f"flowvm: {', '.join(enc.graphs[:3])} hold tensors with an autograd graph; a state file (as a "
+                      "pickle) keeps their values only, so a backward() through them after loading computes no "
+                      "gradients: run the forward pass and backward() in one CALL, or save between steps that do "
+                      "not hold such a tensor", CopyWarning, stacklevel=3)
+    doc = enc.finish({"objects": objects, "registers": registers, "run": run, "environment": environment})
+    run["marks"] = [[format_path(p), g, c] for p, (g, c) in marks(driver._stack).items()] if not driver.done else []
+    shape = structure(program)
+    header = {"format": FORMAT, "flowvm": __version__, "python": platform.python_version(),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": driver.steps, "done": driver.done,
+              "program": program.kind, "position": driver.position, "signed": signed, "meta": user_meta,
+              "fingerprint": _fingerprint(shape), "settings": env["settings"]}
+    listing = [[None if p is None else format_path(p), depth, text] for p, depth, text in lines(program)]
+    metadata = {"flowvm.format": str(FORMAT), "flowvm.header": _dumps(header),
+                "flowvm.program": _dumps({**shape, "listing": listing}), "flowvm.tensors": _dumps(enc.table)}
+    for part in ("objects", "registers", "run", "environment"):
+        metadata[f"flowvm.{part}"] = _dumps(doc[part])
+    return metadata, enc
+
+
+def _frames(enc: Encoder, chain: list, base: tuple) -> list:
+    out, path = [], base
+    for k, fr in enumerate(chain):
+        if k:
+            path = path + (child_index(chain[k - 1]),)
+        el, where = fr[0], f"frames/{format_path(path) or '<root>'}"
+        slots = []
+        for j, x in enumerate(fr[1:], 1):
+            if type(el) is WEAVE and j == WEAVE_SEGMENTS:
+                slots.append([None if seg is None else _frames(enc, seg, path + (i,)) for i, seg in enumerate(x)])
+            else:
+                slots.append(enc.value(x, f"{where}/{j}"))
+        out.append({"path": format_path(path), "kind": el.kind, "slots": slots})
+    return out
+
+
+# ====================================================================== loading
+def read_state_header(path: Any, key: bytes | str | None = None) -> dict:
+    """The header of a state file, after checking that the file is complete and uncorrupted (with key: and
+    signed with it, so that its ``meta`` can be trusted); nothing in the file is acted upon."""
+    return read_state(path, _key_bytes(key), verify=False, keep=False).header
+
+
+def load_state(path: Any, program: Element, key: bytes | str | None = None, restore_random: bool = True,
+               restore_settings: bool = True, verify: bool = True, classes: Iterable[type] = ()):
+    """A driver of program (built again from code) positioned where the run saved in path stopped.
+
+    The file is checked first (checksum; with key, the signature; a signed file is refused without its key
+    unless ``verify=False``), then program's structure is compared with the saved one (kinds and child
+    counts by path, register names: a difference is a CheckpointError naming the first one; constants may
+    differ).  The saved states then go into the program's own objects (``load_state_dict``, generator states,
+    attributes), its registers and the driver's frames.  Like every copy of a run, the driver sets the saved
+    global random states and settings when it takes its first step (``restore_random=False``,
+    ``restore_settings=False`` keep this process's).  Nothing named in the file is imported or called.
+
+    An object the run made and left in a register or a frame (a fitted model a CALL returned) is rebuilt from
+    its attributes only if its class is in ``classes`` (``cls.__new__(cls)``, then the attributes set): the
+    file can choose among the classes you name, and no other.
+    """
+    if not isinstance(program, Element):
+        raise TypeError(f"load_state expects the program (a flowvm element built again from code), got "
+                        f"{type(program).__name__}")
+    allowed: dict = {}
+    for cls in classes:
+        if not isinstance(cls, type):
+            raise TypeError(f"load_state: classes must be classes, got {type(cls).__name__} {cls!r:.60}")
+        allowed.setdefault(cls.__qualname__, cls)
+    loaded = read_state(path, _key_bytes(key), verify=verify, keep=True)
+    compare(loaded.parts["program"], structure(program), path)
+    drv = program.start()
+    dec = Decoder(loaded.table, loaded.tensors, path, restore_object, allowed)
+    parts = loaded.parts
+    objects = parts["objects"]
+    if type(objects) is not list:
+        raise CheckpointError(path, "malformed: the objects table cannot be read")
+    check_program_objects(dec, objects, drv.program, path)
+    registers = [(name, dec.value(node, f"registers/{name}")) for name, node in _pairs(parts["registers"], path)]
+    drv.registers.clear()
+    drv.registers.update(registers)
+    run = parts["run"]
+    try:
+        stack = _unframes(dec, run["stack"], drv.program, (), path)
+        steps, done, ready, rotate, fresh = run["steps"], run["done"], run["ready"], run["rotate"], run["fresh"]
+        if type(steps) is not int or steps < 0 or not all(type(b) is bool for b in (done, ready, rotate)) \
+                or not (fresh is None or type(fresh) is int):
+            raise ValueError("bad driver fields")
+    except (KeyError, TypeError, ValueError, LookupError) as err:
+        raise CheckpointError(path, f"malformed: the run's frames cannot be read ({err})") from None
+    drv.steps, drv.done, drv._ready, drv._rotate, drv._fresh = steps, done, ready, rotate, fresh
+    drv.result = dec.value(run.get("result"), "run/result")
+    drv._carry = dec.value(run["carry"], "run/carry") if "carry" in run else NOVALUE
+    drv._stack = stack
+    env = parts["environment"]
+    try:
+        random_state = check_random(dec.value(env["random"], "environment/random"), path)
+        settings = check_settings(env["settings"], path)
+    except (KeyError, TypeError):
+        raise CheckpointError(path, "malformed: the environment cannot be read") from None
+    drv.invalidate()
+    drv._resume = {"random": random_state, "settings": settings, "announce": True}
+    return drv.resume_with(random=restore_random, settings=restore_settings)
+
+
+def _pairs(items: Any, path: Any) -> list:
+    if type(items) is not list or not all(type(p) is list and len(p) == 2 and type(p[0]) is str for p in items):
+        raise CheckpointError(path, "malformed: the registers cannot be read")
+    return items
+
+
+def _unframes(dec: Decoder, nodes: list, program: Element, base: tuple, path: Any) -> list:
+    chain: list = []
+    expected = base
+    for k, node in enumerate(nodes):
+        where = parse_path(node["path"])
+        if k:
+            expected = expected + (child_index(chain[-1]),)
+        if where != expected:
+            raise ValueError(f"frame at {node['path']!r} follows the frame at {format_path(expected[:-1])!r}")
+        el = get(program, where)
+        if el.kind != node["kind"]:
+            raise ValueError(f"frame at {node['path']!r} is a {node['kind']!r:.20}, the element a {el.kind}")
+        fr = [el]
+        for j, slot in enumerate(node["slots"], 1):
+            if type(el) is WEAVE and j == WEAVE_SEGMENTS:
+                fr.append([None if seg is None else _unframes(dec, seg, program, where + (i,), path)
+                           for i, seg in enumerate(slot)])
+            else:
+                fr.append(dec.value(slot, f"frames/{node['path'] or '<root>'}/{j}"))
+        chain.append(fr)
+    return chain
+
+
+def compare(saved: Any, here: dict, path: Any) -> None:
+    """Raise a CheckpointError naming the first difference between the saved structure and this program's."""
+    try:
+        elements, names = saved["elements"], saved["registers"]
+    except (TypeError, KeyError):
+        raise CheckpointError(path, "malformed: the program's structure cannot be read") from None
+    if elements == here["elements"] and names == here["registers"]:
+        return
+    for a, b in zip(elements, here["elements"]):
+        if a != b:
+            if type(a) is not list or len(a) != 3:
+                raise CheckpointError(path, "malformed: the program's structure cannot be read")
+            where = a[0] or "<root>"
+            raise CheckpointError(path, f"the program differs from the saved run's at path {where!r}: the saved "
+                                        f"run has a {a[1]} with {_children(a[2])} there, this program a {b[1]} "
+                                        f"with {_children(b[2])}" if a[0] == b[0] else
+                                  f"the program differs from the saved run's: the saved run has an element at "
+                                  f"path {a[0]!r}, this program at {b[0]!r}")
+    if len(elements) != len(here["elements"]):
+        raise CheckpointError(path, f"the program differs from the saved run's: {len(elements)} elements saved, "
+                                    f"{len(here['elements'])} here")
+    lost, new = sorted(set(names) - set(here["registers"])), sorted(set(here["registers"]) - set(names))
+    raise CheckpointError(path, "the program uses other registers than the saved run's"
+                          + (f"; the saved run's uses {', '.join(map(repr, lost))}, which it does not" if lost else "")
+                          + (f"; it uses {', '.join(map(repr, new))}, which the saved run's does not" if new else ""))
+
+
+def _children(n: Any) -> str:
+    return f"{n} child" if n == 1 else f"{n} children"
+
+
+# ====================================================================== showing
+class SavedObject:
+    """Stands for an object's state when a state file is read without its program (``flowvm show``)."""
+
+    def __init__(self, node: dict):
+        self.type = str(node.get("type") or next(iter(node), "object"))[:80]
+
+    def __repr__(self) -> str:
+        return f"<saved state of a {self.type}>"
+
+
+def _placeholder(dec: Decoder, have: Any, node: dict, where: str) -> Any:
+    return dec.keep(node, SavedObject(node))
+
+
+def show_state(path: Any, key: bytes | str | None = None) -> tuple[dict, str, dict]:
+    """(header, the listing marked with the position, the registers) of a state file, read without its
+    program: objects' states show as SavedObject, nothing is imported or restored."""
+    loaded = read_state(path, _key_bytes(key), keep=True)
+    dec = Decoder(loaded.table, loaded.tensors, path, _placeholder)
+    parts = loaded.parts
+    for item in parts["objects"]:
+        dec.value(item[1], f"objects/{item[0]}")
+    registers = {name: dec.value(node, f"registers/{name}") for name, node in _pairs(parts["registers"], path)}
+    run, head = parts["run"], loaded.header
+    rows = parts["program"].get("listing", [])
+    index = {p: k for k, (p, _, _) in enumerate(rows) if p is not None}
+    notes: dict[int, tuple] = {}
+    for p, gutter, comment in run.get("marks", []):  # as flowvm.program.printer.listing places them
+        while p not in index and p:
+            p = p.rpartition(".")[0]
+        k = index.get(p)
+        if k is not None and (k not in notes or (gutter.strip() and not notes[k][0].strip())):
+            notes[k] = (gutter, comment or notes.get(k, ("", ""))[1])
+    width = 3 if notes else 0
+    text = []
+    for k, (p, depth, body) in enumerate(rows):
+        gutter, comment = notes.get(k, ("", ""))
+        text.append(f"{gutter:<{width}}{'    ' * depth}{body}" + (f"  # {comment}" if comment else ""))
+    state = f"finished after {head['steps']} steps" if head.get("done") else \
+        f"step {head['steps']}" + (f", next: path {head['position']!r}" if head.get("position") is not None else "")
+    return head, f"# flowvm driver: {state}\n" + "\n".join(text), registers

@@ -1,0 +1,341 @@
+"""The file side of state checkpoints (flowvm.persist.state): writing a safetensors file atomically, and
+reading one back with its checks, in order: safetensors can read it, it has flowvm's metadata, its format,
+its tensors are those its table lists (dtype and shape), the checksum, then the signature.
+
+The checksum is a SHA-256 of the metadata (but the checksum and the signature themselves) and of the SHA-256s
+of every 4 MiB piece of every tensor's bytes, in name order: a hash list, so that the pieces are hashed on
+every core, while a save has yet to write (the checksum goes in the header safetensors writes first) and while
+a load copies the next pieces.  With a key, an HMAC-SHA256 of the same bytes signs the file.  A load copies
+every tensor out of the mapped file into memory of its own (allocated as the run's own tensors and arrays
+were: the alignment of the data can change the last bits of some kernels' results) and checks the copy, so
+that what is restored is what was checked, whatever happens to the file afterwards.
+
+Writing: safetensors writes a temporary file beside its target and renames it (without flushing it to disk),
+so a local save gives it a private directory beside the target (named as flowvm.persist.storage names its
+temporary files, and removed by the next save of the target when its process was killed), flushes the file,
+gives it the permissions of the file it replaces (or those the umask gives a new one), and renames it over
+the target.  A URL gets the file's bytes through flowvm.persist.storage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import shutil
+import struct
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from . import storage
+from ..base.errors import CheckpointError
+from ..base.version import __version__
+from .fileformat import Digests
+from .pickler import storage_bytes
+from .remote import dead
+from .statevalues import numpy_dtype, torch_dtypes
+
+FORMAT = 1
+PIECE = 4 << 20  # bytes hashed as one piece of the hash list
+SUM, MAC = "flowvm.sha256", "flowvm.hmac"
+PARTS = ("header", "program", "tensors", "objects", "registers", "run", "environment")
+
+
+def write(path: Any, table: dict, data: dict, metadata: dict) -> None:
+    """Write the tensors (name -> CPU tensor or array) and the metadata to path, atomically."""
+    import warnings
+
+    if any(info["kind"] == "torch" for info in table.values()):
+        import torch
+        from safetensors.torch import save, save_file
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.from_numpy of a read-only array warns
+            tensors = {n: d if table[n]["kind"] == "torch" else torch.from_numpy(d) for n, d in data.items()}
+    else:
+        from safetensors.numpy import save, save_file
+
+        tensors = data
+    local = storage.local_path(path)
+    if local is None:
+        with storage.open_write(path) as f:
+            f.write(save(tensors, metadata=metadata))
+        return
+    storage.check_target(path)
+    _write_local(Path(local), lambda name: save_file(tensors, name, metadata=metadata), path)
+
+
+def _write_local(path: Path, save_to, target: Any) -> None:
+    directory = path.parent if str(path.parent) else Path(".")
+    _remove_orphans(path)
+    try:
+        mode = os.stat(path).st_mode & 0o7777
+    except OSError:
+        mode = None
+    work = directory / f".{path.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp"
+    try:
+        os.mkdir(work, 0o700)
+    except OSError as err:
+        raise CheckpointError(target, f"cannot save: {err.strerror or err} in {directory}") from err
+    try:
+        if mode is None:  # a new file: the permissions the umask gives, as open() would
+            fd = os.open(work / "mode", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            mode = os.fstat(fd).st_mode & 0o7777
+            os.close(fd)
+        tmp = work / "state.safetensors"
+        save_to(str(tmp))
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise CheckpointError(target, f"cannot save: {err.strerror or err}") from err
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    try:  # make the rename durable
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def _remove_orphans(path: Path) -> None:
+    """Remove the private directories of saves of path whose process was killed mid-save."""
+    prefix, suffix = f".{path.name}.", ".tmp"
+    try:
+        names = [n for n in os.listdir(path.parent if str(path.parent) else ".")
+                 if n.startswith(prefix) and n.endswith(suffix)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):-len(suffix)].partition("-")[0]
+        if pid.isdigit() and dead(int(pid)) and (path.parent / name).is_dir():
+            shutil.rmtree(path.parent / name, ignore_errors=True)
+
+
+# ====================================================================== checking
+def _bytes_of(x: Any) -> memoryview:
+    """A byte view of a CPU contiguous tensor or array (no copy)."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.ndarray):
+        return memoryview(x.reshape(-1).view(np.uint8))
+    n = x.numel() * x.element_size()
+    if n == 0:
+        return memoryview(b"")
+    start = x.storage_offset() * x.element_size()
+    return memoryview(storage_bytes(x.untyped_storage())[start: start + n])
+
+
+def views_of(table: dict, data: dict) -> dict:
+    return {name: _bytes_of(data[name]) for name in table}
+
+
+def _pieces(view: memoryview) -> list:
+    return [view[i: i + PIECE] for i in range(0, len(view), PIECE)] or [view]
+
+
+def _hash(view) -> bytes:
+    return hashlib.sha256(view).digest()
+
+
+def digests(metadata: dict, table: dict, views: dict, key: bytes | None, hashed: dict | None = None):
+    """(checksum, signature or None) of the metadata and the tensors' bytes (views: name -> bytes;
+    hashed: name -> their pieces' SHA-256s, when already computed)."""
+    if hashed is None:
+        hashed = {}
+        total = sum(len(v) for v in views.values())
+        if total >= 2 * PIECE and (os.cpu_count() or 1) > 1:
+            with ThreadPoolExecutor(min(os.cpu_count() or 1, 16), thread_name_prefix="flowvm-state-hash") as pool:
+                futures = {n: [pool.submit(_hash, p) for p in _pieces(v)] for n, v in views.items()}
+                hashed = {n: [f.result() for f in fs] for n, fs in futures.items()}
+        else:
+            hashed = {n: [_hash(p) for p in _pieces(v)] for n, v in views.items()}
+    parts = [b"flowvm-state\0"]
+    for name in sorted(metadata):
+        if name not in (SUM, MAC):
+            parts += [_framed(name), _framed(metadata[name])]
+    for name in sorted(table):
+        parts += [_framed(name), struct.pack(">Q", len(views[name])), *hashed[name]]
+    digests = Digests(key, threaded=False)
+    digests.update(b"".join(parts))
+    return digests.result()
+
+
+def _framed(text: str) -> bytes:
+    data = text.encode("utf-8", "surrogatepass")
+    return struct.pack(">Q", len(data)) + data
+
+
+class Loaded(NamedTuple):
+    """A checked state file: its header, its metadata's parts (parsed), its tensor table and tensors."""
+
+    header: dict
+    parts: dict
+    table: dict
+    tensors: dict | None
+
+
+def read_state(path: Any, key: bytes | None = None, verify: bool = True, keep: bool = True) -> Loaded:
+    """Read and check a state file (see the module docstring for the order of the checks); with keep, its
+    tensors are copied into memory of their own (else only hashed)."""
+    local = storage.local_path(path)
+    if local is not None:
+        return _read_local(str(local), path, key, verify, keep)
+    data = storage.read_bytes(path)
+    with tempfile.TemporaryDirectory(prefix="flowvm-state-") as tmp:
+        name = os.path.join(tmp, "state.safetensors")
+        with open(name, "wb") as f:
+            f.write(data)
+        return _read_local(name, path, key, verify, keep)
+
+
+def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: bool) -> Loaded:
+    from safetensors import safe_open
+
+    try:
+        size = os.path.getsize(name)
+    except OSError:
+        storage.read_start(path, 1)  # says why, in storage's words
+        raise CheckpointError(path, "cannot read the file") from None
+    if size == 0:
+        raise CheckpointError(path, "empty file, not a flowvm state checkpoint")
+    try:
+        with safe_open(name, framework="np") as f:
+            metadata = f.metadata() or {}
+            names = set(f.keys())
+    except Exception as err:
+        why = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise CheckpointError(path, f"truncated or corrupted: safetensors cannot read it ({why})") from None
+    if "flowvm.format" not in metadata:
+        raise CheckpointError(path, "not a flowvm state checkpoint (a safetensors file without flowvm's metadata)")
+    fmt = metadata["flowvm.format"]
+    if not fmt.isdigit() or int(fmt) < 1:
+        raise CheckpointError(path, f"corrupted: unknown format {fmt!r:.20}")
+    if int(fmt) > FORMAT:
+        raise CheckpointError(path, f"written in state format {fmt}; this flowvm (version {__version__}) reads "
+                                    f"formats up to {FORMAT}: upgrade flowvm to load it")
+    missing = [p for p in PARTS if f"flowvm.{p}" not in metadata]
+    if missing or SUM not in metadata:
+        raise CheckpointError(path, f"corrupted: the metadata lacks {', '.join(missing) or 'the checksum'}")
+    try:
+        table = json.loads(metadata["flowvm.tensors"])
+        if type(table) is not dict or not all(type(v) is dict and v.get("kind") in ("numpy", "torch")
+                                              for v in table.values()):
+            raise ValueError("not a table")
+    except (ValueError, RecursionError):
+        raise CheckpointError(path, "corrupted: the tensor table cannot be read") from None
+    if set(table) != names:
+        raise CheckpointError(path, "corrupted: the file's tensors are not those its tensor table lists")
+    tensors, views, hashed = _read_tensors(name, path, table, keep)
+    checksum, mac = digests(metadata, table, views, key, hashed)
+    if not hmac.compare_digest(checksum.hex(), metadata[SUM]):
+        raise CheckpointError(path, "corrupted: checksum mismatch")
+    try:
+        header = json.loads(metadata["flowvm.header"])
+        parts = {p: json.loads(metadata[f"flowvm.{p}"]) for p in PARTS if p not in ("header", "tensors")}
+        signed = header["signed"]
+        if type(signed) is not bool:
+            raise ValueError("signed")
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise CheckpointError(path, "corrupted: the metadata cannot be read") from None
+    if key is not None:
+        if not signed:
+            raise CheckpointError(path, "refused: the file is not signed, but a key was given")
+        if not hmac.compare_digest(mac.hex(), metadata.get(MAC, "")):
+            raise CheckpointError(path, "refused: the signature does not match (tampered file or wrong key)")
+    elif signed and verify:
+        raise CheckpointError(path, "refused: the file is signed; give its key (key=...), or pass verify=False "
+                                    "to load it without checking the signature")
+    return Loaded(header, parts, table, tensors)
+
+
+def _read_tensors(name: str, path: Any, table: dict, keep: bool):
+    """(tensors as restored or None, their byte views, their pieces' SHA-256s), each tensor copied piece by
+    piece out of the mapped file into its own memory while worker threads hash the pieces copied so far."""
+    from safetensors import safe_open
+
+    torch_file = any(info["kind"] == "torch" for info in table.values())
+    if torch_file:
+        try:
+            import torch
+        except ImportError:
+            raise CheckpointError(path, "holds torch tensors: install torch to load it") from None
+    import numpy as np
+
+    out, views, futures = {}, {}, {}
+    workers = min(os.cpu_count() or 1, 16)
+    with ThreadPoolExecutor(workers, thread_name_prefix="flowvm-state-hash") as pool, \
+            safe_open(name, framework="pt" if torch_file else "np") as f:
+        for tname in sorted(table):
+            info = table[tname]
+            try:
+                src = f.get_tensor(tname)
+                expect = _stored(info, torch_file)
+                got = (str(src.dtype).removeprefix("torch.") if torch_file else src.dtype.str, list(src.shape))
+                if torch_file and info["kind"] == "numpy" and not info.get("raw"):
+                    got = (src.numpy().dtype.str, got[1])
+            except Exception as err:
+                raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} cannot be read "
+                                            f"({type(err).__name__}: {str(err)[:120]})") from None
+            if got != expect:
+                raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} is {got}, its table says {expect}")
+            if keep:
+                own = torch.empty_like(src, memory_format=torch.contiguous_format) if torch_file \
+                    else np.empty_like(src, order="C")
+                view, source = _bytes_of(own), _bytes_of(src)
+                pieces = []
+                for i in range(0, len(view), PIECE):
+                    view[i: i + PIECE] = source[i: i + PIECE]
+                    pieces.append(pool.submit(_hash, view[i: i + PIECE]))
+                futures[tname] = pieces or [pool.submit(_hash, view)]
+                out[tname] = _final(own, info, torch_file)
+            else:
+                view = _bytes_of(src)
+                futures[tname] = [pool.submit(_hash, p) for p in _pieces(view)]
+            views[tname] = view
+        hashed = {n: [x.result() for x in fs] for n, fs in futures.items()}
+    return (out if keep else None), views, hashed
+
+
+def _stored(info: dict, torch_file: bool) -> tuple:
+    """(dtype, shape) of a table entry as the safetensors tensor holds it."""
+    shape = info.get("shape")
+    if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError("bad shape in the tensor table")
+    if not info.get("raw"):
+        return info["dtype"], shape
+    count = 1
+    for n in shape:
+        count *= n
+    size = numpy_dtype(info["dtype"]).itemsize if info["kind"] == "numpy" \
+        else torch_dtypes()[info["dtype"]].itemsize
+    return ("uint8" if torch_file else "|u1"), [count * size]
+
+
+def _final(own: Any, info: dict, torch_file: bool) -> Any:
+    """A loaded tensor as the run had it: reinterpreted when raw, a numpy array when it was one."""
+    if info["kind"] == "numpy":
+        arr = own.numpy() if torch_file else own
+        if info.get("raw"):
+            arr = arr.view(numpy_dtype(info["dtype"])).reshape(info["shape"])
+        if info.get("order") == "F":
+            import numpy as np
+
+            arr = np.asfortranarray(arr)
+        return arr
+    if info.get("raw"):
+        return own.view(torch_dtypes()[info["dtype"]]).reshape(info["shape"])
+    return own
+
+
