@@ -271,7 +271,7 @@ def _trusted_header(args, path: Path | str) -> tuple[dict, str | None]:
 def _runner(args, drv: Driver, meta: dict, ckpt: Path | str | None) -> Runner:
     kind = StateRunner if is_state(ckpt) else Runner
     return kind(drv, meta.get("show", []), ckpt, args.every, args.every_seconds, meta, _key(args),
-                args.progress, args.progress_every, getattr(args, "stop", None))
+                args.progress, args.progress_every, getattr(args, "stop", None), args.history, args.tensorboard)
 
 
 def set_threads(threads: int | None) -> None:
@@ -509,6 +509,24 @@ def cmd_show_state(args) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    """Draw the history a run recorded (read from the checkpoint's header: nothing is unpickled)."""
+    from .history import plot_history
+
+    key = _key(args)
+    header = state.read_state_header(args.path, key) if is_state(args.path) else checkpoint.read_header(args.path, key)
+    meta = header.get("meta") or {}
+    history = meta.get("history") or {}
+    names = args.names or [n for n in history.get("names", []) if history.get("points", {}).get(n)]
+    if not names:
+        raise SystemExit(f"flowvm: {args.path} holds no history (runs of the flowvm command record their SHOW "
+                         "registers, and those named with --history)")
+    target = meta.get("target", "")
+    plot_history(history, names, args.output, title=f"{Path(str(target)).stem or target} ({args.path})")
+    print(f"wrote {args.output}: {', '.join(names)} over {header.get('steps')} steps")
+    return 0
+
+
 def cmd_verify(args) -> int:
     from ..program.verify import verify
 
@@ -555,6 +573,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def running(sp):
+        sp.add_argument("--history", action="append", default=[], metavar="NAME",
+                        help="also record this register's history (the program's SHOW registers always are)")
+        sp.add_argument("--tensorboard", metavar="DIR", help="write the history as TensorBoard scalars to DIR")
         sp.add_argument("--output", metavar="PATH", help="when the run finishes, write its fitted model (the "
                         "program's model(registers)): .npz (its attributes by name), .pt or .safetensors")
         sp.add_argument("--checkpoint", type=checkpoint_location,
@@ -605,6 +626,13 @@ def parser() -> argparse.ArgumentParser:
     verify.add_argument("target")
     verify.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     verify.set_defaults(func=cmd_verify)
+
+    plot = sub.add_parser("plot", help="draw the history of a saved run's metrics")
+    plot.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
+    plot.add_argument("names", nargs="*", metavar="NAME", help="metrics to draw (default: every one recorded)")
+    plot.add_argument("-o", "--output", default="curves.png", metavar="FILE", help="the picture (default curves.png)")
+    plot.add_argument("--key", help="the key of a signed checkpoint (or $FLOWVM_CHECKPOINT_KEY)")
+    plot.set_defaults(func=cmd_plot)
 
     lst = sub.add_parser("list", help="list the bundled programs")
     lst.add_argument("--options", action="store_true", help="also print each program's build() options")

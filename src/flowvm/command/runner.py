@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .history import History
 from ..persist import checkpoint
 from ..machine.driver import Driver
 
@@ -114,8 +115,11 @@ class Runner:
 
     def __init__(self, drv: Driver, show: list[str], ckpt: Path | str | None = None, every: int | None = None,
                  every_seconds: float | None = None, meta: dict | None = None, key: str | None = None,
-                 progress: str = "auto", progress_every: float = 2.0, stop: Stop | None = None):
+                 progress: str = "auto", progress_every: float = 2.0, stop: Stop | None = None,
+                 history: list[str] | None = None, tensorboard: str | None = None):
         self.drv, self.show, self.ckpt, self.every, self.meta, self.key = drv, show, ckpt, every, meta or {}, key
+        self.history_names = list(show) + list(history or [])
+        self.tensorboard = tensorboard
         self.stop = stop  # the command's, installed since its start; else run() installs its own
         if ckpt is not None and every is None and every_seconds is None:
             every_seconds = DEFAULT_EVERY_SECONDS
@@ -155,7 +159,12 @@ class Runner:
             self.line(f"flowvm: running from step {drv.steps}{where}")
         last_line = time.monotonic()
         chunk = 1
-        with contextlib.nullcontext(self.stop) if self.stop is not None else Stop(running=True) as stop:
+        history = History(self.meta, self.history_names, self.total, self.tensorboard, drv.steps)
+        if drv.steps == 0 or drv.done:
+            history.record(drv.steps, drv.registers, final=drv.done)
+        due = history.next_step(drv.steps)
+        with contextlib.nullcontext(self.stop) if self.stop is not None else Stop(running=True) as stop, \
+                contextlib.closing(history):
             stop.running = True  # from here a signal stops the run at a step boundary, saved
             try:
                 while not drv.done and stop.signal is None and (limit is None or drv.steps < limit):
@@ -164,6 +173,7 @@ class Runner:
                         n = max(1, min(n, self.saved_step + self.every - drv.steps))
                     if limit is not None:
                         n = min(n, limit - drv.steps)
+                    n = max(1, min(n, due - drv.steps))  # stop at the next history point
                     t0 = time.monotonic()
                     before = drv.steps
                     if self.timed:  # returns within about 50 ms, also while it waits on a SPAWN or POPEN
@@ -171,6 +181,10 @@ class Runner:
                     else:
                         drv.run(max_steps=n)
                     took = time.monotonic() - t0
+                    if drv.steps >= due or drv.done:
+                        if drv.steps == due or drv.done:
+                            history.record(drv.steps, drv.registers, final=drv.done)
+                        due = history.next_step(drv.steps)
                     # chunks of about 50 ms keep signals and output responsive
                     chunk = max(1, min(chunk * 2, _MAX_CHUNK, int(n * 0.05 / took) if took > 0 else _MAX_CHUNK))
                     now = time.monotonic()
