@@ -389,6 +389,8 @@ def cmd_resume(args) -> int:
     header, key = _trusted_header(args, args.path)
     meta = header.get("meta") or {}
     module = _module_of(meta)
+    if meta.get("executor") == "dask":  # a sweep's trials ran on a Dask cluster: one again, under that name
+        _start_dask()
     set_threads(args.threads)
     if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
         args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
@@ -400,7 +402,9 @@ def cmd_resume(args) -> int:
     target = args.checkpoint if args.checkpoint is not None else args.path
     _check_output(args.output)
     status = _runner(args, drv, meta, target).run(args.max_steps)
-    _finish(drv, module, target, key is not None)
+    _finish(drv, None if meta.get("search") else module, target, key is not None)
+    if meta.get("search") and drv.done:
+        print(module.search_report(drv.registers))
     _write_model(drv, module, args.output)
     return status
 
@@ -507,6 +511,55 @@ def cmd_show_state(args) -> int:
     print(listing)
     print(registers_summary(registers))
     return 0
+
+
+def _start_dask() -> Any:
+    """A Dask cluster on this machine (a worker process per core), registered as the executor "dask"."""
+    try:
+        from dask.distributed import Client, LocalCluster
+    except ImportError:
+        raise SystemExit("flowvm: --executor dask needs dask.distributed (pip install 'flowvm[dask]')") from None
+    from .. import register_executor
+
+    client = Client(LocalCluster(n_workers=os.cpu_count() or 1, threads_per_worker=1, processes=True,
+                                 dashboard_address=None))
+    register_executor("dask", client)
+    return client
+
+
+def cmd_sweep(args) -> int:
+    """A random search over a program's options, each trial a SPAWN; the best trial's model is kept."""
+    from ..programs import sweep
+
+    _check_checkpoint_path(args.checkpoint)
+    _refuse_to_overwrite(args.checkpoint, args.force)
+    _check_output(args.output)
+    if is_state(args.checkpoint):
+        raise SystemExit("flowvm: a sweep saves pickle checkpoints (.ckpt): its trials' results hold models")
+    module = load_module(args.target)
+    fixed = parse_sets(args.set, module.build)
+    if args.data is not None:
+        fixed["data"] = str(Path(args.data).resolve())
+    if args.executor not in (None, "dask"):
+        raise SystemExit("flowvm: --executor takes dask (a cluster on this machine); the default is a local pool")
+    if args.executor == "dask":
+        _start_dask()
+    try:
+        program = sweep.search(module.__name__.removeprefix("flowvm.programs."), args.space, args.trials, args.metric,
+                               args.minimize, fixed, args.executor, args.seed)
+    except (ValueError, TypeError, ImportError) as err:
+        raise SystemExit(f"flowvm: sweep: {err}") from err
+    drv = program.start()
+    meta = {"target": "sweep", "module": sweep.__name__, "search": {"program": args.target, "space": args.space,
+            "metric": args.metric, "minimize": args.minimize, "sets": list(args.set), "trials": args.trials},
+            "executor": args.executor, "show": ["best_metric"], "every": args.every,
+            "every_seconds": args.every_seconds}
+    status = _runner(args, drv, meta, args.checkpoint).run(args.max_steps)
+    _finish(drv, None, args.checkpoint, _key(args) is not None)
+    if drv.done:
+        print(sweep.search_report(drv.registers))
+    _write_model(drv, sweep, args.output)
+    return status
 
 
 def cmd_plot(args) -> int:
@@ -627,6 +680,21 @@ def parser() -> argparse.ArgumentParser:
     verify.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     verify.set_defaults(func=cmd_verify)
 
+    sweep = sub.add_parser("sweep", help="random search over a program's options, trials in parallel")
+    sweep.add_argument("target", help="bundled program name or module name")
+    sweep.add_argument("--trials", type=int, default=8, help="configurations to try (default 8)")
+    sweep.add_argument("--space", action="append", default=[], metavar="NAME=KIND:ARGS", required=True,
+                       help="a searched option: loguniform:LOW:HIGH, uniform:LOW:HIGH, int:LOW:HIGH or choice:A,B")
+    sweep.add_argument("--metric", default="accuracy", help="the register trials are ranked by (default accuracy)")
+    sweep.add_argument("--minimize", action="store_true", help="the lowest metric wins (default: the highest)")
+    sweep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a fixed build() option")
+    sweep.add_argument("--data", metavar="PATH", help="the program's data (a fixed data= option)")
+    sweep.add_argument("--executor", help="dask: run the trials on a Dask cluster on this machine")
+    sweep.add_argument("--seed", type=int, default=0, help="seed of the configurations' draws")
+    sweep.add_argument("--force", action="store_true", help="replace an unfinished run saved at --checkpoint")
+    running(sweep)
+    sweep.set_defaults(func=cmd_sweep)
+
     plot = sub.add_parser("plot", help="draw the history of a saved run's metrics")
     plot.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
     plot.add_argument("names", nargs="*", metavar="NAME", help="metrics to draw (default: every one recorded)")
@@ -651,7 +719,7 @@ def main(argv: list[str] | None = None, early_signals: list[int] | None = None) 
         except StoppedDuringStartup as stopped:
             return _stopped_during_startup(stopped.signum)
         args.stop = stop
-        if args.command not in ("run", "resume"):  # nothing to stop at a step boundary
+        if args.command not in ("run", "resume", "sweep"):  # nothing to stop at a step boundary
             stop.restore()
         for name in ("every", "max_steps", "threads"):
             value = getattr(args, name, None)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch  # the trials train torch models: without torch the program is refused at once
 
 from flowvm import CALL, SEQ, SPAWN, WEAVE, Registers
 from flowvm.programs import check_options
@@ -43,6 +42,8 @@ def draw_configs(trials: int, epochs: int, samples: int, seed: int) -> list[dict
 
 def run_trial(config: dict) -> dict:
     """Train the mlp program with config to the end (on one torch thread); its accuracy, loss and weights."""
+    import torch
+
     from flowvm.programs import mlp
 
     threads = torch.get_num_threads()
@@ -70,6 +71,8 @@ def accuracy_of(result: dict) -> float:
 def build(trials: int = 4, epochs: int = 5, samples: int = 3000, executor: str | None = None, seed: int = 0):
     """Random search over `trials` MLP configurations trained for `epochs` epochs, all trials in parallel."""
     check_options("sweep", counts=dict(trials=trials, epochs=epochs, samples=samples))
+    import torch  # noqa: F401  (the trials train torch models: without torch the program is refused at once)
+
     configs = draw_configs(trials, epochs, samples, seed)
     reg = Registers({f"config_{i}": c for i, c in enumerate(configs)})
     results = [reg(f"trial_{i}") for i in range(trials)]
@@ -91,4 +94,166 @@ def report(registers) -> str:
         c = r["config"]
         lines.append(f"{name.split('_')[1]:>5} {c['optimizer']:>9} {c['lr']:>8.5f} {c['hidden']:>6} "
                      f"{r['accuracy']:>9.4f} {r['loss']:>9.5f}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ a search over any program's options
+def parse_space(specs: "list[str] | dict") -> dict:
+    """Search dimensions from ``name=kind:args`` texts (``--space`` on the command line): ``loguniform:LOW:HIGH``,
+    ``uniform:LOW:HIGH``, ``int:LOW:HIGH`` (both ends included) or ``choice:A,B,C`` (Python literals, else
+    text).  A dict of such texts, or of already parsed ``(kind, args)``, is taken as it is."""
+    import ast
+
+    items = specs.items() if isinstance(specs, dict) else [s.partition("=")[::2] for s in specs]
+    space = {}
+    for name, spec in items:
+        if not isinstance(spec, str):
+            space[name] = tuple(spec)
+            continue
+        kind, _, rest = spec.partition(":")
+        if not name.isidentifier() or not rest:
+            raise ValueError(f"sweep: a search dimension is name=kind:args, got {name}={spec!r}")
+        if kind == "choice":
+            values = []
+            for text in rest.split(","):
+                try:
+                    values.append(ast.literal_eval(text))
+                except (ValueError, SyntaxError):
+                    values.append(text)
+            space[name] = ("choice", values)
+        elif kind in ("uniform", "loguniform", "int"):
+            try:
+                low, high = (float(v) for v in rest.split(":"))
+            except ValueError:
+                raise ValueError(f"sweep: {name}={spec}: {kind} needs LOW:HIGH numbers") from None
+            if not low < high or (kind == "loguniform" and low <= 0):
+                raise ValueError(f"sweep: {name}={spec}: needs LOW < HIGH" + (" and LOW > 0" if kind == "loguniform" else ""))
+            space[name] = (kind, [low, high])
+        else:
+            raise ValueError(f"sweep: {name}={spec}: unknown kind {kind!r} (uniform, loguniform, int, choice)")
+    return space
+
+
+def draw(space: dict, trials: int, seed: int) -> list[dict]:
+    """``trials`` configurations drawn from space by a seeded generator (the same draws on every run)."""
+    rng = np.random.default_rng(seed)
+    configs = []
+    for _ in range(trials):
+        config = {}
+        for name, (kind, args) in space.items():
+            if kind == "choice":
+                value = args[int(rng.integers(len(args)))]
+            elif kind == "int":
+                value = int(rng.integers(int(args[0]), int(args[1]) + 1))
+            elif kind == "uniform":
+                value = float(rng.uniform(args[0], args[1]))
+            else:
+                value = float(math.exp(rng.uniform(math.log(args[0]), math.log(args[1]))))
+            config[name] = value
+        configs.append(config)
+    return configs
+
+
+class Trial:
+    """One trial of a search: the program module ``target`` (a bundled name or a module name) built with the
+    fixed options and a configuration, run to its end; its metric register, the fitted model (its module's
+    ``model(registers)``, when there is one) and the step count.  Picklable by reference to the module."""
+
+    def __init__(self, target: str, fixed: dict, metric: str):
+        self.target, self.fixed, self.metric = target, dict(fixed), metric
+
+    def module(self):
+        import importlib
+
+        try:
+            return importlib.import_module(f"flowvm.programs.{self.target}")
+        except ModuleNotFoundError:
+            return importlib.import_module(self.target)
+
+    def __call__(self, config: dict) -> dict:
+        module = self.module()
+        threads = getattr(module, "THREADS", None)
+        if threads is not None:  # a torch program: its thread count for the trial
+            import torch
+
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+        try:
+            drv = module.build(**self.fixed, **config).start()
+            drv.run()
+        finally:
+            if threads is not None:
+                torch.set_num_threads(before)
+        regs = drv.registers
+        if self.metric not in regs:
+            raise KeyError(f"sweep: the trial's program has no register {self.metric!r} to rank trials by "
+                           f"(registers: {', '.join(sorted(regs))})")
+        value = regs[self.metric]
+        value = float(value.item() if hasattr(value, "item") else value)
+        model = module.model(regs) if callable(getattr(module, "model", None)) else None
+        return {"config": config, "metric": value, "model": model, "steps": drv.steps}
+
+
+def best_trial(results: list[dict], minimize: bool) -> dict:
+    """The trial with the best metric (the first among equals); NaN ranks last."""
+    def key(i):
+        m = results[i]["metric"]
+        return (m != m, m if minimize else -m, i)
+    k = min(range(len(results)), key=key)
+    return dict(results[k], trial=k)
+
+
+def metric_of(result: dict) -> float:
+    return result["metric"]
+
+
+def search(target: str, space: "dict | list[str]", trials: int = 8, metric: str = "accuracy", minimize: bool = False,
+           fixed: dict | None = None, executor: str | None = None, seed: int = 0):
+    """Random search over the options of any program module with ``build(**options)``: ``trials``
+    configurations drawn from ``space`` (see parse_space), each trained to its end in a SPAWN (all woven, so
+    they run in parallel on the executor), ranked by the register ``metric`` (highest first, or lowest with
+    ``minimize``); the best trial (its configuration, metric and fitted model) ends in register ``best``."""
+    check_options("sweep", counts=dict(trials=trials))
+    space = parse_space(space)
+    fixed = dict(fixed or {})
+    clash = sorted(set(space) & set(fixed))
+    if clash:
+        raise ValueError(f"sweep: {', '.join(clash)} both searched and fixed")
+    trial = Trial(target, fixed, metric)
+    module = trial.module()  # refused here, not in a worker, when it cannot be imported
+    import inspect
+
+    options = inspect.signature(module.build).parameters
+    unknown = [n for n in list(space) + list(fixed) if n not in options
+               and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in options.values())]
+    if unknown:
+        raise ValueError(f"sweep: {target}'s build() has no option {unknown[0]!r}; options: {', '.join(options)}")
+    configs = draw(space, trials, seed)
+    reg = Registers({f"config_{i}": c for i, c in enumerate(configs)})
+    results = [reg(f"trial_{i}") for i in range(trials)]
+    return SEQ([
+        WEAVE(-1, [SPAWN(CALL(trial, reg(f"config_{i}"), store_to=results[i]), executor=executor)
+                   for i in range(trials)]),
+        CALL(best_trial, results, minimize, store_to=reg("best")),
+        CALL(metric_of, reg("best"), store_to=reg("best_metric")),
+    ])
+
+
+def model(registers):
+    """The best trial's fitted model (a search), or the best MLP's weights (the built-in sweep)."""
+    best = registers["best"]
+    return best.get("model") if "model" in best else best.get("weights")
+
+
+def search_report(registers) -> str:
+    best = registers["best"]
+    trials = sorted((k for k in registers if k.startswith("trial_")), key=lambda k: int(k.split("_")[1]))
+    names = list(registers["trial_0"]["config"]) if trials else []
+    lines = [f"search of {len(trials)} trials; best: trial {best['trial']} with {best['metric']:.6g}",
+             " ".join(f"{h:>12}" for h in ["trial", *names, "metric"])]
+    for name in trials:
+        r = registers[name]
+        cells = [name.split("_")[1], *(f"{r['config'][n]:.5g}" if isinstance(r["config"][n], float)
+                                       else str(r["config"][n]) for n in names), f"{r['metric']:.6g}"]
+        lines.append(" ".join(f"{c:>12}" for c in cells))
     return "\n".join(lines)
