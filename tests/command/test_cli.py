@@ -320,7 +320,7 @@ def test_plain_progress_lines_when_not_a_terminal():
     lines = out.stderr.splitlines()
     assert lines[0] == "flowvm: running from step 0"
     progress = [line for line in lines[1:] if line.startswith("step ")]
-    assert progress and progress[-1].startswith("step 609/609 (")  # 2 + 3 x (100 x 2 + 2) + 1
+    assert progress and progress[-1].startswith("step 610/610 (")  # 2 + 3 x (100 x 2 + 2) + 2
     assert "epoch=3" in progress[-1] and "error=" in progress[-1]
     assert "\r" not in out.stderr
 

@@ -188,7 +188,7 @@ def test_rbm_has_one_call_per_cd1_update():
     cd1 = [el for _, el in flowvm.program.paths.walk(drv.program) if isinstance(el, flowvm.CALL) and el.fn.__name__ == "cd1"]
     assert len(cd1) == 1
     assert cd1[0].fn.__self__.updates == 30  # 3 epochs of 10 batches, counted by the machine itself
-    assert drv.steps == 2 + 3 * (10 * 2 + 2) + 1
+    assert drv.steps == 2 + 3 * (10 * 2 + 2) + 2  # the last two: the parameters and the fitted model
 
 
 def test_rbm_resumes_exactly():
@@ -213,4 +213,5 @@ def test_rbm_listing():
         "            error = RBM.reconstruction_error(x)",
         "            errors = append(errors, error)",
         "    parameters = RBM.parameters()",
+        "    model = RBM.model()",
     ])

@@ -96,7 +96,8 @@ def test_mlp_listing():
         "            history = Trainer.log(history, epoch, loss, accuracy)",
         "    accuracy = Trainer.evaluate(x_test, y_test)",
         "    history = Trainer.log(history, epoch, loss, accuracy)",
-        "    weights = weights(Sequential)",
+        "    weights = weights(Classifier)",
+        "    model = TrainedMLP(Classifier)",
     ])
 
 
@@ -108,7 +109,8 @@ def test_lbfgs_reaches_the_rosenbrock_minimum():
     assert np.allclose(regs["x"], np.ones(10), rtol=0, atol=1e-6)
     assert regs["loss"] < 1e-12 and regs["grad_norm"] <= 1e-8
     # one WHILE iteration (condition + step + loss + gradient) per L-BFGS iteration
-    assert drv.steps == 4 * regs["iterations"] + 5
+    assert drv.steps == 4 * regs["iterations"] + 6
+    assert lbfgs.model(regs).stop_reason == "gradient below tol"
     assert 20 < regs["iterations"] < 500
 
 
@@ -134,6 +136,7 @@ def test_lbfgs_stops_at_max_iter_and_rejects_unknown_problems():
     drv = lbfgs.build(max_iter=7).start()
     drv.run()
     assert drv.registers["iterations"] == 7 and drv.registers["grad_norm"] > 1e-8
+    assert lbfgs.model(drv.registers).stop_reason == "max_iter reached"
     with pytest.raises(ValueError, match="unknown problem 'sphere'"):
         lbfgs.build(problem="sphere")
     with pytest.raises(ValueError, match="dim >= 2"):
@@ -154,13 +157,14 @@ def test_lbfgs_listing():
         "SEQ:",
         "    loss = Rosenbrock.value()",
         "    grad_norm = Rosenbrock.grad_norm()",
-        "    WHILE Stopping.keep_going(grad_norm):",
+        "    WHILE Stopping.keep_going(grad_norm, loss):",
         "        SEQ:",
         "            LBFGS.step(Rosenbrock)",
         "            loss = Rosenbrock.value()",
         "            grad_norm = Rosenbrock.grad_norm()",
         "    iterations = Stopping.iterations()",
         "    x = Rosenbrock.solution()",
+        "    model = Stopping.result(x, loss, grad_norm)",
     ])
 
 
