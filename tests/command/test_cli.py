@@ -15,7 +15,7 @@ import time
 import pytest
 
 import flowvm
-from flowvm.command.cli import bundled_programs, parse_sets
+from flowvm.command.targets import bundled_programs, parse_sets
 from flowvm.command.runner import short_value, static_steps
 from flowvm.programs import pca
 from flowvm.testing import diff
@@ -202,20 +202,20 @@ def test_a_signed_checkpoint_is_not_read_or_rewritten_without_its_key(tmp_path):
 
 
 def test_resume_keeps_saving_as_often_as_the_run_was_told(tmp_path, monkeypatch):
-    from flowvm.command import cli
+    from flowvm.command import cli, common
 
     ckpt = tmp_path / "k.ckpt"
     flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--every", 7, "--max-steps", 10,
                "--progress", "none")
     assert flowvm.read_header(ckpt)["meta"]["every"] == 7
     seen = []
-    real = cli.Runner
+    real = common.Runner
 
     def recording(drv, show, path, every, every_seconds, *rest):
         seen.append((every, every_seconds))
         return real(drv, show, path, every, every_seconds, *rest)
 
-    monkeypatch.setattr(cli, "Runner", recording)
+    monkeypatch.setattr(common, "Runner", recording)
     assert cli.main(["resume", str(ckpt), "--max-steps", "3", "--progress", "none"]) == 0
     assert cli.main(["resume", str(ckpt), "--max-steps", "3", "--every-seconds", "5", "--progress", "none"]) == 0
     assert cli.main(["resume", str(ckpt), "--max-steps", "3", "--progress", "none"]) == 0
@@ -267,7 +267,7 @@ def test_the_registers_summary_gives_scalars_their_value_and_survives_odd_values
     import numpy as np
     import torch
 
-    from flowvm.command.cli import registers_summary
+    from flowvm.command.common import registers_summary
 
     text = registers_summary({"loss": torch.tensor(0.25), "acc": np.float64(0.5), "cls": np.ndarray,
                               "x": np.zeros((2, 3), dtype=np.float32)})

@@ -26,7 +26,7 @@ def one_thread():
 
 
 def test_every_bundled_program_has_a_fixture_of_this_release():
-    from flowvm.command.cli import bundled_programs
+    from flowvm.command.targets import bundled_programs
 
     mine = {info["program"] for file, info in DIGESTS.items() if info["flowvm"] == flowvm.__version__}
     assert mine == {name for name, _, _ in bundled_programs()}, "run tests/fixtures/make_fixtures.py"

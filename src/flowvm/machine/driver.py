@@ -1,50 +1,17 @@
-"""The resumable machine that runs programs.
+"""The resumable machine that runs programs: ``Driver`` (``step``, ``run``, ``arun``).
 
-State of a run (all plain data, so a half-run driver pickles and copies):
+A run's state is plain data, so a half-run driver pickles and copies: ``_stack``, the frames of the active
+elements, outermost first (their layouts and the moves through them belong to flowvm/machine/frames.py);
+``_carry``, a value in transit from a finished child to the frame on top; the registers; the step count.
+Everything else is a cache, dropped when pickled and by ``invalidate()``: the function of the leaf the next
+step runs, the frames the fast paths use (flowvm/machine/fastpaths.py), ``live`` handles of pending leaves.
 
-- ``_stack``: frames, outermost first.  A frame is a list whose first item is
-  the element; the rest is that element's counters (see the layouts below).
-  A frame of length 1 is *unstarted* for a container and *ready* for a leaf.
-- ``_carry``: a value in transit from a finished child to the frame on top of
-  the stack (``NOVALUE`` when none).
-- WEAVE frames hold the paused frames of their inactive children as
-  *segments*; the active child's frames sit on the main stack above the WEAVE.
-
-Leaves: *simple* leaves (``simple_leaf``: CALL, PRINT, a fused torch step)
-run through closures made by compile.py that depend on the register file
-alone.  Any other leaf kind (POPEN, SPAWN, a CALL with Depends arguments)
-implements the *leaf protocol*: ``el.bind(driver, frame)`` returns a zero-argument function that
-the driver calls once per step; it returns the leaf's value when the leaf is
-finished, or ``PENDING`` when it only polled something still running (that
-poll counts as a step and the leaf stays on the stack).  Live handles a leaf
-needs between polls (a process, a future) go in ``driver.live`` keyed by
-``id(frame)``: a cache, never pickled, so a loaded driver finds none and the
-leaf starts its work again.  ``el.abandon(driver, frame)``, when defined, is
-called for a leaf frame dropped by a finishing WEAVE.  A live handle may
-define ``ready_future()``, returning a ``concurrent.futures.Future`` that is
-done once the leaf's next poll will not return PENDING: when every runnable
-leaf has polled PENDING since the last one that made progress, ``run()``
-blocks on those futures (and ``arun()`` awaits them) instead of polling in a
-busy loop.  Leaves whose handles have no such hook are polled with a short
-back-off (see flowvm/machine/idle.py) while nothing else can run.
-
-One step runs the leaf on top of the stack and then *settles*: finished
-frames hand their values up, enclosing WEAVEs take their turn, and the
-driver descends to the next leaf.  Every move is atomic, so an exception
-anywhere leaves a state from which the same move is retried.  A move that
-fails right after a successful leaf is retried (and raises) at the start of
-the next step, so that a step either runs one leaf or raises without running
-one.
-
-Fast paths (outside WEAVEs, for simple leaves) skip settling but leave
-exactly the frames settling would: a leaf repeated by its REPEAT
-(``_repeat_leaf``), a SEQ of simple leaves repeated by a REPEAT
-(``_repeat_seq``, run() only), and a leaf followed by a simple sibling in its
-SEQ (``_after_leaf``).
-
-Frames and their layouts belong to flowvm/machine/frames.py, which also holds the moves through each element kind
-(``START``/``NEXT``) and settling (``settle``: handing finished values up, taking WEAVE turns, descending
-to the next leaf).
+Simple leaves (CALL, PRINT, a fused step) run through closures made by compile.py; any other leaf kind
+implements the leaf protocol (``bind``, ``abandon``, ``PENDING``, ``ready_future``: docs/leaves.md).  One
+step runs the leaf on top of the stack and then settles: finished frames hand their values up, WEAVEs take
+their turns, and the driver descends to the next leaf.  Every move is atomic, so an exception anywhere leaves
+a state from which the same move is retried; a step either runs one leaf or raises without running one.
+docs/architecture.md follows one step from ``Driver.step()`` to the user's function and back.
 """
 
 from __future__ import annotations
@@ -64,6 +31,8 @@ from ..base.environment import apply_random, apply_settings, capture_random, cap
 from ..program.elements import REPEAT, SEQ, WEAVE, Element, provide, tool
 from ..base.errors import RegisterError, SwitchError
 from .idle import Idle as _Idle
+from .idle import deadline_after, step_limit
+from ..program.analysis import has_weave
 from ..program.paths import format_path
 from ..program.registers import Registers
 from ..base.sentinels import INCOMPLETE, NOVALUE, PENDING
@@ -168,7 +137,7 @@ class Driver:
         IDLE_SLICE of waiting) after it.  While every runnable leaf is a
         pending POPEN or SPAWN, run() sleeps on them instead of polling.
         """
-        return self._drive(_step_limit(self.steps, max_steps), _deadline(timeout), None, True)
+        return self._drive(step_limit(self.steps, max_steps), deadline_after(timeout), None, True)
 
     async def arun(self, max_steps: int | None = None, timeout: float | None = None,
                    steps_per_yield: int | None = None, yield_every: float = YIELD_EVERY) -> Any:
@@ -195,8 +164,8 @@ class Driver:
             raise ValueError(f"steps_per_yield must be an int >= 1 or None, got {steps_per_yield!r}")
         if isinstance(yield_every, bool) or not isinstance(yield_every, numbers.Real) or not yield_every > 0:
             raise ValueError(f"yield_every must be a number of seconds > 0, got {yield_every!r}")
-        limit = _step_limit(self.steps, max_steps)
-        deadline = _deadline(timeout)
+        limit = step_limit(self.steps, max_steps)
+        deadline = deadline_after(timeout)
         idle = _Idle()
         while True:
             idle.stopped = False
@@ -545,30 +514,3 @@ def _root_copy(program: Element) -> Element:
     if "_overrides" in root.__dict__:  # its own table: overrides set on the program later do not reach the run
         root.__dict__["_overrides"] = dict(root.__dict__["_overrides"])
     return root
-
-
-def _step_limit(steps: int, max_steps) -> float:
-    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral)
-                                  or max_steps < 0):
-        raise ValueError(f"max_steps must be None or an int >= 0, got {max_steps!r}")
-    return float("inf") if max_steps is None else steps + max_steps
-
-
-def _deadline(timeout) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
-        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
-    return monotonic() + float(timeout)
-
-
-def has_weave(program: Element) -> bool:
-    """Whether the driver runs a WEAVE (fragments inside other leaves, such as a SPAWN's, do not count)."""
-    todo = [program]
-    while todo:
-        el = todo.pop()
-        if type(el) is WEAVE:
-            return True
-        if not el.is_leaf:
-            todo.extend(el.children)
-    return False

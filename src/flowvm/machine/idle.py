@@ -12,6 +12,7 @@ Leaves without a hook are polled with a back-off of at most
 
 from __future__ import annotations
 
+import numbers
 from time import monotonic
 
 IDLE_SLICE = 0.1
@@ -126,3 +127,18 @@ class Idle:
 def _set_done(waiter) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+def step_limit(steps: int, max_steps) -> float:
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral)
+                                  or max_steps < 0):
+        raise ValueError(f"max_steps must be None or an int >= 0, got {max_steps!r}")
+    return float("inf") if max_steps is None else steps + max_steps
+
+
+def deadline_after(timeout) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    return monotonic() + float(timeout)

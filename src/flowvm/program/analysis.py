@@ -157,3 +157,15 @@ def writers(program: Element, name: str) -> list[tuple]:
     from .paths import walk
 
     return [p for p, el in walk(program) if any(r.name == name for r in el.own_writes())]
+
+
+def has_weave(program) -> bool:
+    """Whether the driver runs a WEAVE (fragments inside other leaves, such as a SPAWN's, do not count)."""
+    todo = [program]
+    while todo:
+        el = todo.pop()
+        if type(el) is WEAVE:
+            return True
+        if not el.is_leaf:
+            todo.extend(el.children)
+    return False

@@ -1,0 +1,230 @@
+"""What the commands share: checkpoint locations and keys, refusing to overwrite a run, the Runner for a
+checkpoint's format, the end of a run (its report, its model written with ``--output``), register summaries."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..persist import checkpoint
+from ..persist import storage
+from ..persist import state
+from ..machine.driver import Driver
+from ..base.errors import CheckpointError
+from .targets import load_module
+from .runner import Runner
+
+
+KEY_ENV = "FLOWVM_CHECKPOINT_KEY"
+
+
+def check_output(path: str | None) -> None:
+    from ..programs import MODEL_SUFFIXES
+
+    if path is not None and Path(path).suffix.lower() not in MODEL_SUFFIXES:
+        raise SystemExit(f"flowvm: --output {path}: give a file ending in {', '.join(MODEL_SUFFIXES)}")
+
+
+def write_model(drv: Driver, module: ModuleType | None, path: str | None) -> None:
+    """--output: the finished run's model (its module's model(registers)) written to path."""
+    if path is None or not drv.done:
+        return
+    model_of = getattr(module, "model", None) if module is not None else None
+    if model_of is None:
+        raise SystemExit(f"flowvm: --output {path}: the program gives no model (its module has no "
+                         "model(registers) function)")
+    from ..programs import save_model
+
+    save_model(model_of(drv.registers), path)
+    print(f"model written to {path}")
+
+
+def finish(drv: Driver, module: ModuleType | None, ckpt: Path | str | None, signed: bool = False) -> None:
+    if not drv.done:
+        hint = f"; continue with `flowvm resume {ckpt}`" if ckpt is not None else ""
+        if hint and signed:
+            hint += f" (signed: give the key with --key or ${KEY_ENV})"
+        print(f"paused at step {drv.steps}{hint}")
+        return
+    report = getattr(module, "report", None) if module is not None else None
+    print(f"finished after {drv.steps} steps")
+    print(report(drv.registers) if report is not None else registers_summary(drv.registers))
+
+
+def describe_value(value: Any) -> tuple[str, str]:
+    """(type, detail) of a register value: shape and dtype for arrays, length for containers."""
+    from ..program.printer import fmt
+
+    kind = type(value).__name__
+    shape = None if isinstance(value, type) else getattr(value, "shape", None)  # not the ndarray class itself
+    try:
+        shape = tuple(int(n) for n in shape) if shape is not None and not callable(shape) else None
+    except (TypeError, ValueError):
+        shape = None
+    if shape is not None:
+        dtype = str(getattr(value, "dtype", "")).replace("torch.", "")
+        if shape == ():  # a scalar (a loss): its value
+            try:
+                return kind, f"{float(value):.6g} {dtype}".rstrip()
+            except (TypeError, ValueError):
+                pass
+        return kind, f"shape {shape} {dtype}".rstrip()
+    if isinstance(value, (list, tuple, dict)):
+        inner = sorted({type(v).__name__ for v in (value.values() if isinstance(value, dict) else value)})
+        what = f"{len(value)} items" + (f" of {', '.join(inner[:3])}" if inner else "")
+        if isinstance(value, dict):
+            what += ": keys " + fmt(list(value)[:6], 50)
+        return kind, what
+    if isinstance(value, float):
+        return kind, f"{value:.6g}"
+    return kind, fmt(value, 60)
+
+
+def registers_summary(registers: dict) -> str:
+    rows = []
+    for name, value in registers.items():
+        kind, detail = describe_value(value)
+        rows.append(f"  {name:<16} {kind:<10} {detail}")
+    return "registers:\n" + ("\n".join(rows) if rows else "  (none)")
+
+
+# ------------------------------------------------------------------ commands
+def key_of(args) -> str | None:
+    return getattr(args, "key", None) or os.environ.get(KEY_ENV) or None
+
+
+def trusted_header(args, path: Path | str) -> tuple[dict, str | None]:
+    """The header of a saved run and the key to load it with, checked before anything is imported.
+
+    A signed file is only read with its key (and stays signed); with a key the
+    signature is checked first, since the header names the module to import.
+    """
+    key = key_of(args)
+    header = checkpoint.read_header(path)
+    if header.get("signed") and key is None:
+        raise SystemExit(f"flowvm: {path} is signed: give its key with --key or ${KEY_ENV}")
+    if key is not None:
+        header = checkpoint.read_header(path, key=key)
+    return header, key
+
+
+def runner_for(args, drv: Driver, meta: dict, ckpt: Path | str | None) -> Runner:
+    kind = StateRunner if is_state(ckpt) else Runner
+    return kind(drv, meta.get("show", []), ckpt, args.every, args.every_seconds, meta, key_of(args),
+                args.progress, args.progress_every, getattr(args, "stop", None), args.history, args.tensorboard)
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op thread count (before anything runs), when torch is used and a count is asked for."""
+    if threads is not None and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def checkpoint_location(text: str) -> Path | str:
+    """A --checkpoint or resume/show argument: a URL stays a str (a Path would collapse its ``//``); a
+    ``file://`` URL and a plain path become a Path."""
+    return text if storage.is_url(text) else storage.local_path(text)
+
+
+def check_checkpoint_path(path: Path | str | None) -> None:
+    if isinstance(path, str):
+        # A URL: its filesystem is installed, it names an object, and the store answers.  Any problem but a
+        # missing object (no bucket, access denied, no credentials, an unreachable store) would fail every
+        # save: say so now, not after the first interval.
+        try:
+            storage.check_target(path)
+            storage.read_start(path, len(checkpoint.MAGIC), missing_ok=True)
+        except CheckpointError as err:
+            raise SystemExit(f"flowvm: --checkpoint {path}: {err.reason}") from None
+        return
+    if path is not None:
+        if path.is_dir():
+            raise SystemExit(f"flowvm: --checkpoint {path} is a directory; give a file name")
+        if not path.parent.resolve().is_dir():
+            raise SystemExit(f"flowvm: --checkpoint {path}: no directory {path.parent}")
+
+
+def refuse_to_overwrite(path: Path | str | None, force: bool) -> None:
+    """A run must not silently replace an unfinished run saved at its checkpoint path, nor a file that is
+    no checkpoint at all."""
+    if path is None or force:
+        return
+    if is_state(path):
+        return refuse_to_overwrite_state(path)
+    if isinstance(path, str):  # a URL: read through the store (check_checkpoint_path named its problems)
+        try:
+            start = storage.read_start(path, len(checkpoint.MAGIC), missing_ok=True)
+        except CheckpointError as err:
+            raise SystemExit(f"flowvm: --checkpoint {path}: {err.reason}") from None
+        if start is None:
+            return
+    else:
+        if not path.exists():
+            return
+        try:
+            with open(path, "rb") as f:
+                start = f.read(len(checkpoint.MAGIC))
+        except OSError:
+            return  # a directory or an unreadable path: saving names the problem
+    if start and not checkpoint.MAGIC.startswith(start[:len(checkpoint.MAGIC)]):
+        raise SystemExit(f"flowvm: {path} exists and is not a flowvm checkpoint; choose another --checkpoint "
+                         "path, or pass --force to replace it")
+    try:
+        header = checkpoint.read_header(path)
+    except CheckpointError:
+        return  # a damaged checkpoint: nothing to lose
+    if not header.get("done"):
+        target = (header.get("meta") or {}).get("target") or header.get("program")
+        raise SystemExit(f"flowvm: {path} holds an unfinished run ({target}, step {header.get('steps')}); "
+                         f"continue it with `flowvm resume {path}`, or pass --force to start over")
+
+
+def module_of(meta: dict) -> ModuleType | None:
+    """Import the saved run's program module first, so that its objects unpickle."""
+    try:
+        if meta.get("target"):
+            return load_module(meta["target"])
+        if meta.get("module"):
+            return importlib.import_module(meta["module"])
+    except (SystemExit, ImportError) as err:
+        reason = str(err.code if isinstance(err, SystemExit) else err).removeprefix("flowvm: ")
+        print(f"flowvm: warning: cannot load the run's program ({reason}); going on without its SHOW and "
+              "report() (objects defined there may fail to load)", file=sys.stderr)
+    return None
+
+
+# ------------------------------------------------------------------ state checkpoints (.safetensors)
+def is_state(path: Path | str | None) -> bool:
+    """Whether a checkpoint location holds a state checkpoint (its suffix chooses the format)."""
+    return path is not None and str(path).endswith(state.SUFFIX)
+
+
+class StateRunner(Runner):
+    """A Runner whose checkpoints are state files (save_state)."""
+
+    def save(self) -> None:
+        if self.ckpt is not None:
+            state.save_state(self.drv, self.ckpt, key=self.key, meta=self.meta)
+            self.saved_step, self.saved_time = self.drv.steps, time.monotonic()
+
+
+def refuse_to_overwrite_state(path: Path | str) -> None:
+    """As refuse_to_overwrite, for a state file: replace only a finished run or a damaged flowvm state file."""
+    try:
+        header = state.read_state_header(path)
+    except CheckpointError as err:
+        if err.reason in ("no such file", "no such object"):
+            return
+        if not err.reason.startswith(("corrupted", "refused")):  # not recognizably a flowvm state file
+            raise SystemExit(f"flowvm: {path} exists and is not a flowvm state checkpoint ({err.reason}); choose "
+                             "another --checkpoint path, or pass --force to replace it") from None
+        return
+    if not header.get("done"):
+        target = (header.get("meta") or {}).get("target") or header.get("program")
+        raise SystemExit(f"flowvm: {path} holds an unfinished run ({target}, step {header.get('steps')}); "
+                         f"continue it with `flowvm resume {path}`, or pass --force to start over")

@@ -1,0 +1,68 @@
+"""``resume`` and ``show`` for state checkpoints (``.safetensors``, flowvm.persist.state): the program built again
+from the target and options the file records, the state loaded into it; shown without importing anything."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..persist import state
+from .targets import build_program
+from .common import KEY_ENV, check_checkpoint_path, check_output, finish, key_of, registers_summary, runner_for, set_threads, write_model
+
+
+
+def _state_header(args) -> tuple[dict, str | None]:
+    """The checked header of a state file and the key to load it with (a signed file needs its key)."""
+    key = key_of(args)
+    header = state.read_state_header(args.path)
+    if header.get("signed") and key is None:
+        raise SystemExit(f"flowvm: {args.path} is signed: give its key with --key or ${KEY_ENV}")
+    if key is not None:
+        header = state.read_state_header(args.path, key=key)
+    return header, key
+
+
+def cmd_resume_state(args) -> int:
+    """Build the program again (the recorded target and options, or --program; --set adds options) and
+    load the saved state into it."""
+    check_checkpoint_path(args.checkpoint)
+    header, key = _state_header(args)
+    meta = dict(header.get("meta") or {})
+    target = args.program or meta.get("target")
+    if not target:
+        raise SystemExit(f"flowvm: {args.path} does not record which program it ran; give it with --program TARGET")
+    if args.program is not None and (target.endswith(".py") or os.sep in target or "/" in target):
+        target = str(Path(target).resolve())  # as run records it: found again from any directory
+    sets = (list(meta.get("sets", [])) if args.program is None else []) + list(args.set)
+    module, program = build_program(target, sets)
+    set_threads(args.threads)
+    if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
+        args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
+    meta.update(target=target, module=module.__name__, sets=sets, every=args.every, every_seconds=args.every_seconds,
+                show=list(getattr(module, "SHOW", meta.get("show", []))))
+    classes = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
+    drv = state.load_state(args.path, program, key=key, restore_settings=not args.keep_settings,
+                           classes=classes)  # the program module's own classes: results its run made
+    if args.threads is not None:
+        drv.resume_with(settings={"torch.threads": args.threads})
+    ckpt = args.checkpoint if args.checkpoint is not None else args.path
+    check_output(args.output)
+    status = runner_for(args, drv, meta, ckpt).run(args.max_steps)
+    finish(drv, module, ckpt, key is not None)
+    write_model(drv, module, args.output)
+    return status
+
+
+def cmd_show_state(args) -> int:
+    """Print a state file's run: its saved listing with the position, and its registers; imports nothing."""
+    _, key = _state_header(args)
+    header, listing, registers = state.show_state(args.path, key=key)
+    meta = header.get("meta") or {}
+    what = f" {meta['target']}" + "".join(f" --set {s}" for s in meta.get("sets", [])) + "," \
+        if meta.get("target") else ""
+    print(f"# {args.path}:{what} state checkpoint written by flowvm {header['flowvm']} (Python {header['python']}) "
+          f"at {header['created']}")
+    print(listing)
+    print(registers_summary(registers))
+    return 0

@@ -1,0 +1,80 @@
+"""``flowvm sweep`` (a random search over a program's options, trials as SPAWNs, on a Dask cluster with
+``--executor dask``) and ``flowvm plot`` (a run's metric history drawn)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..persist import checkpoint
+from ..persist import state
+from .targets import load_module, parse_sets
+from .common import check_checkpoint_path, check_output, finish, is_state, key_of, refuse_to_overwrite, runner_for, write_model
+
+
+def start_dask() -> Any:
+    """A Dask cluster on this machine (a worker process per core), registered as the executor "dask"."""
+    try:
+        from dask.distributed import Client, LocalCluster
+    except ImportError:
+        raise SystemExit("flowvm: --executor dask needs dask.distributed (pip install 'flowvm[dask]')") from None
+    from .. import register_executor
+
+    client = Client(LocalCluster(n_workers=os.cpu_count() or 1, threads_per_worker=1, processes=True,
+                                 dashboard_address=None))
+    register_executor("dask", client)
+    return client
+
+
+def cmd_sweep(args) -> int:
+    """A random search over a program's options, each trial a SPAWN; the best trial's model is kept."""
+    from ..programs import sweep
+
+    check_checkpoint_path(args.checkpoint)
+    refuse_to_overwrite(args.checkpoint, args.force)
+    check_output(args.output)
+    if is_state(args.checkpoint):
+        raise SystemExit("flowvm: a sweep saves pickle checkpoints (.ckpt): its trials' results hold models")
+    module = load_module(args.target)
+    fixed = parse_sets(args.set, module.build)
+    if args.data is not None:
+        fixed["data"] = str(Path(args.data).resolve())
+    if args.executor not in (None, "dask"):
+        raise SystemExit("flowvm: --executor takes dask (a cluster on this machine); the default is a local pool")
+    if args.executor == "dask":
+        start_dask()
+    try:
+        program = sweep.search(module.__name__.removeprefix("flowvm.programs."), args.space, args.trials, args.metric,
+                               args.minimize, fixed, args.executor, args.seed)
+    except (ValueError, TypeError, ImportError) as err:
+        raise SystemExit(f"flowvm: sweep: {err}") from err
+    drv = program.start()
+    meta = {"target": "sweep", "module": sweep.__name__, "search": {"program": args.target, "space": args.space,
+            "metric": args.metric, "minimize": args.minimize, "sets": list(args.set), "trials": args.trials},
+            "executor": args.executor, "show": ["best_metric"], "every": args.every,
+            "every_seconds": args.every_seconds}
+    status = runner_for(args, drv, meta, args.checkpoint).run(args.max_steps)
+    finish(drv, None, args.checkpoint, key_of(args) is not None)
+    if drv.done:
+        print(sweep.search_report(drv.registers))
+    write_model(drv, sweep, args.output)
+    return status
+
+
+def cmd_plot(args) -> int:
+    """Draw the history a run recorded (read from the checkpoint's header: nothing is unpickled)."""
+    from .history import plot_history
+
+    key = key_of(args)
+    header = state.read_state_header(args.path, key) if is_state(args.path) else checkpoint.read_header(args.path, key)
+    meta = header.get("meta") or {}
+    history = meta.get("history") or {}
+    names = args.names or [n for n in history.get("names", []) if history.get("points", {}).get(n)]
+    if not names:
+        raise SystemExit(f"flowvm: {args.path} holds no history (runs of the flowvm command record their SHOW "
+                         "registers, and those named with --history)")
+    target = meta.get("target", "")
+    plot_history(history, names, args.output, title=f"{Path(str(target)).stem or target} ({args.path})")
+    print(f"wrote {args.output}: {', '.join(names)} over {header.get('steps')} steps")
+    return 0
