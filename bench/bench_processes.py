@@ -4,11 +4,23 @@
    on the default local process pool and on a Dask LocalCluster, next to the
    executor's own round trip (``executor.submit(abs, -1).result()``), so
    flowvm's share is visible.
-2. Speed-up of two CPU-bound fragments woven as SPAWNs
+2. Speed-up of two CPU-bound fragments of about 2 s each (0.5 s with
+   --quick; the loop's size is calibrated on this machine) woven as SPAWNs
    (``WEAVE(-1, [SPAWN(a), SPAWN(b)])``) against running them one after the
-   other in this process; the issue's target is >= 1.7x on 2 cores.  The
-   load average is recorded with it: on a shared machine the figure is only
-   as good as the cores that were free.
+   other in this process, side by side with the anchor: the same two calls
+   submitted straight to a bare ``ProcessPoolExecutor`` (a fresh forkserver
+   pool of two workers, and the default pool's own executor).  The cases
+   run interleaved, round by round, each round in a rotated order; the
+   table gives medians over the rounds, the speed-up of each case over the
+   sequential one, and where the time outside the fragments goes: from the
+   start of the case to the later fragment's start in its worker (submit,
+   pickling, the worker picking it up), from the later fragment's end to
+   the case's end (sending the result back, the parent noticing, merging),
+   and the parent's own CPU time (its polling).  The target is >= 1.8x on
+   2 cores.  The same comparison from a fresh interpreter ("cold": the pool
+   and its workers start first) follows.  The load average is recorded:
+   on a shared machine the figures are only as good as the cores that were
+   free.
 3. CPU used by this process while ``arun()`` (and ``run()``) wait on a POPEN
    that sleeps, against a naive ``while drv.step() is INCOMPLETE`` loop.
 4. Per-step cost of ``arun()`` (yielding to the event loop after every step,
@@ -17,8 +29,9 @@
 Figures are measured and reported, never asserted: the script exits 0
 whatever they are.  Results go to bench/results/processes.json.
 
-    python bench/bench_processes.py            # full sizes (about 2 minutes)
-    python bench/bench_processes.py --quick    # CI smoke run (well under 2 minutes)
+    python bench/bench_processes.py                  # full sizes (about 3 minutes)
+    python bench/bench_processes.py --quick          # CI smoke run (well under 2 minutes)
+    python bench/bench_processes.py --only speedup   # section 2 alone
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,12 +62,13 @@ DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "processes.json"
 # (full, quick)
 SIZES = {
     "round_trips": (200, 40),
-    "burn_n": (6_000_000, 2_000_000),   # iterations of the CPU-bound loop (about 0.25 s per million)
-    "speedup_repeats": (3, 2),
+    "fragment_s": (2.0, 0.5),           # seconds one CPU-bound fragment takes (the loop size is calibrated)
+    "speedup_rounds": (7, 3),
+    "cold_rounds": (3, 1),
     "sleep_s": (3.0, 1.0),
     "per_step": (200_000, 20_000),
 }
-TARGET_SPEEDUP = 1.7
+TARGET_SPEEDUP = 1.8
 
 
 def burn(n: int) -> int:
@@ -118,42 +133,155 @@ def dask_round_trip(n: int) -> dict | None:
 
 
 # --------------------------------------------------------------------------- 2. speed-up
-def speedup(n: int, repeats: int) -> dict:
+def calibrate(seconds: float) -> int:
+    """Iterations of burn() that take about seconds on this machine (the fastest of three probes of about
+    0.2 s, after one that lets the core's clock settle)."""
+    n = 500_000
+    n = max(n, int(n * 0.2 / _timed(burn, n)))
+    best = min(_timed(burn, n) for _ in range(3))
+    return max(100_000, int(n * seconds / best))
+
+
+def _timed(fn, *args) -> float:
+    t0 = perf_counter()
+    fn(*args)
+    return perf_counter() - t0
+
+
+def _pair(executor, n: int) -> list:
+    """The two fragments' calls submitted straight to executor (the anchor)."""
+    futures = [executor.submit(timed_burn, n) for _ in range(2)]
+    return [f.result() for f in futures]
+
+
+SPEEDUP_CASES = {  # key: (label, runs in parallel)
+    "sequential": ("one after the other, in-process", False),
+    "woven": ("WEAVE(-1, [SPAWN(a), SPAWN(b)])", True),
+    "bare_pool": ("bare ProcessPoolExecutor (2 workers)", True),
+    "bare_default_pool": ("default pool's executor, submit x2", True),
+    "spawns_one_by_one": ("SEQ([SPAWN(a), SPAWN(b)])", False),
+}
+
+
+def speedup(n: int, rounds: int) -> dict:
+    import concurrent.futures as cf
+    import multiprocessing
+
     reg = Registers(n=n)
     a = CALL(timed_burn, reg("n"), store_to=reg("a"))
     b = CALL(timed_burn, reg("n"), store_to=reg("b"))
-    sequential = SEQ([a, b])
-    woven = WEAVE(-1, [SPAWN(a), SPAWN(b)])
-    one_by_one = SEQ([SPAWN(a), SPAWN(b)])
-    warm(default_executor(), default_workers())
-    keys = ("sequential", "woven", "spawns_one_by_one")
-    times: dict[str, list] = {k: [] for k in keys}
-    outside: dict[str, list] = {k: [] for k in keys}
-    load, shares, overlaps = [], [], []
-    for _ in range(repeats):
+    programs = {"sequential": SEQ([a, b]), "woven": WEAVE(-1, [SPAWN(a), SPAWN(b)]),
+                "spawns_one_by_one": SEQ([SPAWN(a), SPAWN(b)])}
+    methods = multiprocessing.get_all_start_methods()
+    bare = cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context(
+        "forkserver" if "forkserver" in methods else "spawn"))
+    pool = default_executor()
+    warm(pool, default_workers())
+    warm(bare, 2)
+    for prog in programs.values():  # every path once, untimed (first-use imports)
+        prog.run()
+
+    def run_case(key: str) -> list:
+        if key in programs:
+            programs[key].run()
+            return [reg["a"], reg["b"]]
+        return _pair(bare if key == "bare_pool" else pool, n)
+
+    keys = list(SPEEDUP_CASES)
+    samples: dict[str, list] = {k: [] for k in keys}
+    load = []
+    for r in range(rounds):
         load.append(os.getloadavg()[0])
-        for key, prog in zip(keys, (sequential, woven, one_by_one)):
-            t0 = time.time()
-            prog.run()
-            total = time.time() - t0
-            times[key].append(total)
-            (_, _, sa, ea, ca), (_, _, sb, eb, cb) = reg["a"], reg["b"]
-            # Time the program spent outside the fragments' own runs: submitting, polling, merging back.
-            busy = (max(ea, eb) - min(sa, sb)) if key == "woven" else (ea - sa) + (eb - sb)
-            outside[key].append(total - busy)
-            if key == "woven":
-                # CPU share: the part of a core each fragment got while it ran (1.0: a core of its own)
-                shares.append([ca / (ea - sa), cb / (eb - sb)])
-                overlaps.append(max(0.0, min(ea, eb) - max(sa, sb)) / max(ea - sa, eb - sb))
-    best = {k: min(v) for k, v in times.items()}
-    median = {k: statistics.median(v) for k, v in times.items()}
-    return {"burn_n": n, "seconds_best": best, "seconds_median": median, "seconds_all": times,
-            "seconds_outside_fragments_median": {k: statistics.median(v) for k, v in outside.items()},
-            "woven_cpu_share_per_fragment": shares, "woven_overlap_fraction": overlaps,
-            "speedup": best["sequential"] / best["woven"],
-            "speedup_median": median["sequential"] / median["woven"], "target": TARGET_SPEEDUP,
-            "meets_target": best["sequential"] / best["woven"] >= TARGET_SPEEDUP,
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotated: drifts hit every case alike
+            c0, t0 = time.process_time(), time.time()  # this process's CPU time, all its threads
+            frags = run_case(key)
+            t1, cpu = time.time(), time.process_time() - c0
+            (_, _, sa, ea, ca), (_, _, sb, eb, cb) = frags
+            parallel = SPEEDUP_CASES[key][1]
+            samples[key].append({
+                "total_s": t1 - t0,
+                # time outside the fragments' own runs: submitting, polling, merging back
+                "outside_s": (t1 - t0) - ((max(ea, eb) - min(sa, sb)) if parallel else (ea - sa) + (eb - sb)),
+                "start_lag_s": max(sa, sb) - t0 if parallel else None,
+                "end_lag_s": t1 - max(ea, eb) if parallel else None,
+                "parent_cpu_s": cpu - (ca + cb if key == "sequential" else 0.0),
+                "fragment_cpu_s": (ca + cb) / 2,  # the CPU time one fragment took, where it ran
+                # the part of a core each fragment got while it ran (1.0: a core of its own)
+                "cpu_share": [ca / (ea - sa), cb / (eb - sb)],
+                "overlap": max(0.0, min(ea, eb) - max(sa, sb)) / max(ea - sa, eb - sb),
+            })
+    bare.shutdown()
+
+    def med(key, field):
+        values = [x[field] for x in samples[key] if x[field] is not None]
+        return statistics.median(values) if values else None
+
+    seq = [x["total_s"] for x in samples["sequential"]]
+    cases = {}
+    for key in keys:
+        totals = [x["total_s"] for x in samples[key]]
+        cases[key] = {
+            "label": SPEEDUP_CASES[key][0], "seconds_all": totals, "seconds_median": statistics.median(totals),
+            "seconds_best": min(totals), "speedup_median": statistics.median(seq) / statistics.median(totals),
+            # per round, against that round's sequential run
+            "speedup_paired_median": statistics.median(s_ / t for s_, t in zip(seq, totals)),
+            "outside_ms_median": med(key, "outside_s") * 1e3,
+            "start_lag_ms_median": None if med(key, "start_lag_s") is None else med(key, "start_lag_s") * 1e3,
+            "end_lag_ms_median": None if med(key, "end_lag_s") is None else med(key, "end_lag_s") * 1e3,
+            "parent_cpu_ms_median": med(key, "parent_cpu_s") * 1e3,
+            "fragment_cpu_s_median": med(key, "fragment_cpu_s"),
+            "cpu_share_min_median": statistics.median(min(x["cpu_share"]) for x in samples[key]),
+            "overlap_median": med(key, "overlap"),
+        }
+    woven, anchor = cases["woven"]["speedup_median"], cases["bare_pool"]["speedup_median"]
+    same_workers = cases["bare_default_pool"]["speedup_median"]
+    return {"burn_n": n, "rounds": rounds, "cases": cases, "samples": samples,
+            "speedup_median": woven, "bare_pool_speedup_median": anchor, "woven_vs_bare_pool": woven / anchor,
+            "default_pool_speedup_median": same_workers, "woven_vs_default_pool": woven / same_workers,
+            "target": TARGET_SPEEDUP, "meets_target": woven >= TARGET_SPEEDUP,
             "load_average_1min": load, "cores": os.cpu_count(), "pool_workers": default_workers()}
+
+
+def cold_child(mode: str, n: int) -> None:
+    """In a fresh interpreter: the two fragments as the first work of this process (pool start included)."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    t0 = time.time()
+    if mode == "woven":
+        reg = Registers(n=n)
+        WEAVE(-1, [SPAWN(CALL(timed_burn, reg("n"), store_to=reg("a"))),
+                   SPAWN(CALL(timed_burn, reg("n"), store_to=reg("b")))]).run()
+        frags = [reg["a"], reg["b"]]
+    else:
+        methods = multiprocessing.get_all_start_methods()
+        bare = cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context(
+            "forkserver" if "forkserver" in methods else "spawn"))
+        frags = _pair(bare, n)
+    t1 = time.time()  # before the bare pool's shutdown (the default pool's is at exit too)
+    print(json.dumps({"total_s": t1 - t0, "start_lag_s": max(f[2] for f in frags) - t0,
+                      "end_lag_s": t1 - max(f[3] for f in frags)}))
+
+
+def cold(n: int, rounds: int, sequential_s: float) -> dict:
+    rows: dict[str, list] = {"woven": [], "bare_pool": []}
+    for _ in range(rounds):
+        for key, mode in (("woven", "woven"), ("bare_pool", "bare")):
+            done = subprocess.run([sys.executable, __file__, "--cold-child", mode, str(n)], capture_output=True,
+                                  text=True, timeout=600)
+            if done.returncode != 0:
+                print(done.stderr[-2000:], file=sys.stderr)
+                continue
+            rows[key].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    out = {}
+    for key, runs in rows.items():
+        if not runs:
+            continue
+        total = statistics.median(r["total_s"] for r in runs)
+        out[key] = {"runs": runs, "seconds_median": total, "speedup_median": sequential_s / total,
+                    "start_lag_ms_median": statistics.median(r["start_lag_s"] for r in runs) * 1e3,
+                    "end_lag_ms_median": statistics.median(r["end_lag_s"] for r in runs) * 1e3}
+    return out
 
 
 # --------------------------------------------------------------------------- 3. CPU while waiting
@@ -191,7 +319,8 @@ def per_step(n: int) -> list[dict]:
         return REPEAT(n // 2, SEQ([CALL(f, reg("x"), store_to=reg("y")), CALL(f, reg("y"), store_to=reg("x"))]))
 
     cases = [("drv.run()", lambda d: d.run()),
-             ("await drv.arun() (steps_per_yield=1)", lambda d: asyncio.run(d.arun())),
+             ("await drv.arun() (time slices of 0.25 ms)", lambda d: asyncio.run(d.arun())),
+             ("await drv.arun(steps_per_yield=1)", lambda d: asyncio.run(d.arun(steps_per_yield=1))),
              ("await drv.arun(steps_per_yield=100)", lambda d: asyncio.run(d.arun(steps_per_yield=100)))]
     rows = []
     for label, drive in cases:
@@ -211,49 +340,78 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke test)")
     parser.add_argument("--no-dask", action="store_true", help="skip the Dask cluster")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument("--only", choices=["speedup"], help="run one section only")
+    parser.add_argument("--cold-child", nargs=2, metavar=("MODE", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.cold_child:
+        cold_child(args.cold_child[0], int(args.cold_child[1]))
+        return 0
     k = 1 if args.quick else 0
     sizes = {key: v[k] for key, v in SIZES.items()}
     started = perf_counter()
 
-    warm(default_executor(), default_workers())
-    trips = {"local pool": round_trip(None, sizes["round_trips"])}
-    dask_row = None if args.no_dask else dask_round_trip(sizes["round_trips"])
-    if dask_row is not None:
-        trips["dask LocalCluster (2 workers)"] = dask_row
-    print(f"\n1. Round trip of a trivial SPAWN (median of {sizes['round_trips']}, best in brackets)")
-    print(f"{'executor':<32} {'SPAWN ms':>16} {'executor alone ms':>20}")
-    for name, r in trips.items():
-        print(f"{name:<32} {r['spawn_ms_median']:>8.2f} ({r['spawn_ms_best']:.2f}) "
-              f"{r['executor_ms_median']:>12.2f} ({r['executor_ms_best']:.2f})")
-    if dask_row is None and not args.no_dask:
-        print("dask: not installed (pip install dask[distributed])")
+    everything = args.only is None
+    trips = waits = steps = None
+    if everything:
+        warm(default_executor(), default_workers())
+        trips = {"local pool": round_trip(None, sizes["round_trips"])}
+        dask_row = None if args.no_dask else dask_round_trip(sizes["round_trips"])
+        if dask_row is not None:
+            trips["dask LocalCluster (2 workers)"] = dask_row
+        print(f"\n1. Round trip of a trivial SPAWN (median of {sizes['round_trips']}, best in brackets)")
+        print(f"{'executor':<32} {'SPAWN ms':>16} {'executor alone ms':>20}")
+        for name, r in trips.items():
+            print(f"{name:<32} {r['spawn_ms_median']:>8.2f} ({r['spawn_ms_best']:.2f}) "
+                  f"{r['executor_ms_median']:>12.2f} ({r['executor_ms_best']:.2f})")
+        if dask_row is None and not args.no_dask:
+            print("dask: not installed (pip install dask[distributed])")
 
-    sp = speedup(sizes["burn_n"], sizes["speedup_repeats"])
-    print(f"\n2. Two CPU-bound fragments (burn({sizes['burn_n']:,}) each), best of {sizes['speedup_repeats']}; "
-          f"{sp['pool_workers']} pool workers, load average {', '.join(f'{x:.2f}' for x in sp['load_average_1min'])}")
-    print(f"{'':<36} {'best s':>7} {'median s':>9} {'outside the fragments (median) ms':>35}")
-    for key, label in (("sequential", "one after the other, in-process"), ("spawns_one_by_one", "SEQ of two SPAWNs"),
-                       ("woven", "WEAVE(-1, [SPAWN(a), SPAWN(b)])")):
-        print(f"{label:<36} {sp['seconds_best'][key]:>7.3f} {sp['seconds_median'][key]:>9.3f} "
-              f"{sp['seconds_outside_fragments_median'][key] * 1e3:>35.1f}")
-    print(f"speed-up (sequential / woven): {sp['speedup']:.2f}x best, {sp['speedup_median']:.2f}x median  "
-          f"(target >= {TARGET_SPEEDUP}x: {'met' if sp['meets_target'] else 'NOT met'} by the best times)")
-    shares = ", ".join(f"{a:.2f}/{b:.2f}" for a, b in sp["woven_cpu_share_per_fragment"])
-    overlaps = ", ".join(f"{o:.2f}" for o in sp["woven_overlap_fraction"])
-    print(f"woven runs: overlap of the two fragments {overlaps}; CPU share of a core each got {shares} "
-          "(below 1.0: other load took the cores)")
+    n = calibrate(sizes["fragment_s"])
+    sp = speedup(n, sizes["speedup_rounds"])
+    print(f"\n2. Two CPU-bound fragments (burn({n:,}) each, about {sizes['fragment_s']:g} s), medians of "
+          f"{sp['rounds']} interleaved rounds; {sp['pool_workers']} pool workers, load average "
+          f"{', '.join(f'{x:.2f}' for x in sp['load_average_1min'])}")
+    print(f"{'case':<38} {'median s':>8} {'best s':>7} {'speed-up':>8} {'paired':>7} {'outside ms':>10} "
+          f"{'start lag':>9} {'end lag':>8} {'parent CPU':>10} {'frag CPU s':>10} {'CPU share':>9}")
+    dash = "-"
+    for key, c in sp["cases"].items():
+        start = f"{c['start_lag_ms_median']:.1f}" if c["start_lag_ms_median"] is not None else dash
+        end_ = f"{c['end_lag_ms_median']:.1f}" if c["end_lag_ms_median"] is not None else dash
+        print(f"{c['label']:<38} {c['seconds_median']:>8.3f} {c['seconds_best']:>7.3f} "
+              f"{c['speedup_median']:>7.2f}x {c['speedup_paired_median']:>6.2f}x {c['outside_ms_median']:>10.1f} "
+              f"{start:>9} {end_:>8} {c['parent_cpu_ms_median']:>10.1f} {c['fragment_cpu_s_median']:>10.3f} "
+              f"{c['cpu_share_min_median']:>9.2f}")
+    print(f"speed-up over sequential (median times): woven SPAWNs {sp['speedup_median']:.2f}x, bare pool "
+          f"{sp['bare_pool_speedup_median']:.2f}x (woven / bare: {sp['woven_vs_bare_pool']:.3f}), the default "
+          f"pool's executor {sp['default_pool_speedup_median']:.2f}x (woven / it: "
+          f"{sp['woven_vs_default_pool']:.3f}); target >= "
+          f"{TARGET_SPEEDUP}x: {'met' if sp['meets_target'] else 'NOT met'}.  (ms columns: medians; CPU share: "
+          "the lesser fragment's part of a core, below 1.0 when other load took the cores; frag CPU: the CPU "
+          "time one fragment took where it ran, which differs from process to process)")
 
-    waits = waiting_cpu(sizes["sleep_s"])
-    print(f"\n3. CPU of this process while a POPEN sleeps {sizes['sleep_s']} s")
-    print(f"{'driving loop':<44} {'wall s':>7} {'CPU s':>7} {'CPU %':>7} {'polls':>9}")
-    for r in waits:
-        print(f"{r['case']:<44} {r['wall_s']:>7.2f} {r['cpu_s']:>7.3f} {r['cpu_percent']:>6.1f}% {r['polls']:>9,}")
+    seq_s = sp["cases"]["sequential"]["seconds_median"]
+    cold_rows = cold(n, sizes["cold_rounds"], seq_s)
+    print(f"\n2b. The same from a fresh interpreter (the pool and its workers start first), median of "
+          f"{sizes['cold_rounds']}, against the sequential median above ({seq_s:.3f} s)")
+    print(f"{'case':<38} {'median s':>8} {'speed-up':>8} {'start lag ms':>12} {'end lag ms':>10}")
+    for key, label in (("woven", SPEEDUP_CASES["woven"][0]), ("bare_pool", SPEEDUP_CASES["bare_pool"][0])):
+        r = cold_rows.get(key)
+        if r is not None:
+            print(f"{label:<38} {r['seconds_median']:>8.3f} {r['speedup_median']:>7.2f}x "
+                  f"{r['start_lag_ms_median']:>12.1f} {r['end_lag_ms_median']:>10.1f}")
+    sp["cold"] = cold_rows
 
-    steps = per_step(sizes["per_step"])
-    print(f"\n4. Per-step cost of driving from asyncio (REPEAT of SEQ of two CALLs, {sizes['per_step']:,} steps)")
-    for r in steps:
-        print(f"{r['case']:<44} {r['us_per_step']:>7.2f} µs/step")
+    if everything:
+        waits = waiting_cpu(sizes["sleep_s"])
+        print(f"\n3. CPU of this process while a POPEN sleeps {sizes['sleep_s']} s")
+        print(f"{'driving loop':<44} {'wall s':>7} {'CPU s':>7} {'CPU %':>7} {'polls':>9}")
+        for r in waits:
+            print(f"{r['case']:<44} {r['wall_s']:>7.2f} {r['cpu_s']:>7.3f} {r['cpu_percent']:>6.1f}% {r['polls']:>9,}")
+
+        steps = per_step(sizes["per_step"])
+        print(f"\n4. Per-step cost of driving from asyncio (REPEAT of SEQ of two CALLs, {sizes['per_step']:,} steps)")
+        for r in steps:
+            print(f"{r['case']:<44} {r['us_per_step']:>7.2f} µs/step")
 
     result = {
         "benchmark": "processes", "quick": args.quick, "sizes": sizes,

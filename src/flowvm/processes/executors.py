@@ -16,6 +16,8 @@ Executors:
   process, created on first use (``forkserver`` start method where there is
   one, else ``spawn``: never ``fork``, which is unsafe with threads around),
   one worker per available core, its workers killed at interpreter exit.
+  A SPAWN starts it in a background thread (``start_default_executor``), all
+  its workers at once, and waits for it without blocking its caller.
 - any ``concurrent.futures.Executor`` instance, such as a Dask client's
   ``client.get_executor()``.  An executor cannot be pickled, so a program
   holding one pickles a reference to it, valid in this process only.
@@ -42,11 +44,13 @@ from ..base.errors import SpawnError
 
 _lock = threading.RLock()
 _pool = None  # the default pool, created on first use
+_starting: cf.Future | None = None  # done when the default pool being started in a background thread is up
 _pool_pid = None  # the process that created it: a forked child must leave it alone
 _exit_hook_installed = False
 _retired: dict = {}  # former default pools -> their abandoned futures (killed when the rest is done, or at exit)
 _watched: dict = {}  # retired pools -> their futures that already have a _kill_when_idle callback
 _start_reports: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # default pools -> their start queue
+_report_readers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # default pools -> stops their reader
 _started: dict[bytes, float] = {}  # task nonce -> when a worker started it (drained from the start queues)
 _awaited: set[bytes] = set()  # nonces of default-pool tasks whose SPAWN still waits on them
 _nonce_of: "weakref.WeakKeyDictionary[cf.Future, bytes]" = weakref.WeakKeyDictionary()  # default-pool tasks
@@ -61,6 +65,9 @@ def main_guard_hint() -> str:
     import ast
     import sys
 
+    missing = unimportable_main()
+    if missing is not None:
+        return f" Note: if the pool's workers start with forkserver or spawn, {unimportable_main_text(missing)}."
     path = getattr(sys.modules.get("__main__"), "__file__", None)
     if not path or not str(path).endswith(".py"):
         return ""
@@ -76,6 +83,44 @@ def main_guard_hint() -> str:
             "script, so it runs the script's work again and fails: put that work under the guard.")
 
 
+def unimportable_main() -> str | None:
+    """The path a spawn or forkserver worker would run to import the main module, when no such file exists
+    (a script piped on stdin: ``python - < script.py``); else None.
+
+    Such a worker runs the main script's file again before it takes any work
+    (as multiprocessing.spawn decides: a main module with a ``__spec__`` is
+    imported by name instead), fails to find it and dies.
+    """
+    import sys
+
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None \
+            or getattr(sys, "frozen", False):  # a frozen application's bundler takes care of its workers
+        return None
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str):
+        return None  # python -c, an interactive session: the workers leave the main module alone
+    from multiprocessing import process
+
+    if not os.path.isabs(path) and process.ORIGINAL_DIR is not None:
+        path = os.path.join(process.ORIGINAL_DIR, path)
+    return None if os.path.exists(path) else path
+
+
+def unimportable_main_text(path: str) -> str:
+    how = "was read from stdin" if os.path.basename(path) == "<stdin>" else "has no file"
+    return (f"the main script {how}, so pool workers started with forkserver or spawn (never fork) cannot "
+            f"import it: such a worker imports the main script again, from its file ({path!r} here, which "
+            "does not exist), before it takes any work, and dies. Run the script from a file "
+            "(python script.py), or give SPAWN an executor of your own")
+
+
+def _check_main_importable() -> None:
+    path = unimportable_main()
+    if path is not None:
+        raise SpawnError(f"the default pool cannot start: {unimportable_main_text(path)}.")
+
+
 # ----------------------------------------------------------------- executors
 def default_workers() -> int:
     """Worker processes of the default pool: the cores this process may run on."""
@@ -86,35 +131,142 @@ def default_workers() -> int:
 
 
 def default_executor():
-    """The shared local process pool that SPAWNs without an executor use (created on first call)."""
-    global _pool, _pool_pid, _exit_hook_installed
+    """The shared local process pool that SPAWNs without an executor use (created and started on first
+    call; this waits while it starts, or for a start already under way)."""
+    while True:
+        pool, starting = start_default_executor()
+        if pool is not None:
+            return pool
+        starting.result()  # raises the start's error; else the pool is up (or was shut down meanwhile: again)
+
+
+def start_default_executor() -> tuple[Any, cf.Future | None]:
+    """(the default pool, None) when it is up; else (None, a future done once it is), starting it in a
+    background thread if no start is under way.  Never blocks on process starts.
+
+    Starting the pool takes a while (0.05 to 0.5 s: the forkserver, and any
+    modules it preloads, then the workers), and a caller may be an event loop.
+    The future fails with SpawnError if the pool cannot start; its result
+    means only "look again": a shutdown meanwhile discards the pool it started.
+    """
+    global _starting
     with _lock:
-        if _pool is None:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
+        if _pool is not None:
+            return _pool, None
+        if _starting is None:
+            _check_main_importable()
+            _install_exit_hooks()
+            _starting = cf.Future()
+            threading.Thread(target=_start_pool, args=(_starting,), name="flowvm-pool-start",
+                             daemon=True).start()
+        return None, _starting
 
-            methods = multiprocessing.get_all_start_methods()
-            ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-            started = ctx.SimpleQueue()  # the workers tell when each task starts (Job.overdue, _move_unstarted)
-            _pool = ProcessPoolExecutor(max_workers=default_workers(), mp_context=ctx,
-                                        initializer=worker_setup, initargs=(os.getpid(), started))
-            _start_reports[_pool] = started
-            _pool_pid = os.getpid()
-            if not _exit_hook_installed:
-                # concurrent.futures joins its pools before atexit callbacks run, waiting for
-                # running work; this hook must run first, so it registers the same way, later.
-                register = getattr(threading, "_register_atexit", None)
-                try:
-                    (register or __import__("atexit").register)(shutdown_default_executor, kill=True)
-                except RuntimeError:  # pragma: no cover - interpreter already shutting down
-                    pass
-                # In a multiprocessing child (a fragment that SPAWNs), exiting joins the child's
-                # own children before either hook above runs: a finalizer runs before that join.
-                from multiprocessing import util
 
-                util.Finalize(None, shutdown_default_executor, kwargs={"kill": True}, exitpriority=100)
-                _exit_hook_installed = True
-        return _pool
+def _new_pool():
+    """A new default pool, every worker started (this blocks while they start), and its start queue.
+
+    All its workers start before the pool's manager thread: the manager watches
+    the workers it knows of when it waits, and concurrent.futures starts a
+    worker on demand inside submit() after waking it (as in Python 3.11), so
+    the death of a worker started that way went unnoticed until another
+    worker's task finished (see submit).
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    started = ctx.SimpleQueue()  # the workers tell when each task starts (Job.overdue, _move_unstarted)
+    pool = ProcessPoolExecutor(max_workers=default_workers(), mp_context=ctx,
+                               initializer=worker_setup, initargs=(os.getpid(), started))
+    launch = getattr(pool, "_launch_processes", None)
+    manager = getattr(pool, "_start_executor_manager_thread", None)
+    if callable(launch) and callable(manager):
+        try:
+            with pool._shutdown_lock:
+                launch()
+                manager()
+        except BaseException:
+            _kill_pool(pool)
+            raise
+    return pool, started
+
+
+def _start_pool(done: cf.Future) -> None:
+    """In a background thread: start a default pool and make it the default, unless a shutdown came first."""
+    global _pool, _pool_pid, _starting
+    try:
+        pool, started = _new_pool()
+    except BaseException as err:  # noqa: B036 - handed to the SPAWNs waiting on it
+        failure = SpawnError(f"the default pool could not start: {type(err).__name__}: {err}")
+        failure.__cause__ = err.with_traceback(None)  # its frames would keep the half-made pool alive
+    else:
+        failure = None
+    if failure is not None:
+        with _lock:
+            if _starting is done:
+                _starting = None
+        done.set_exception(failure)
+        return
+    with _lock:
+        keep = _starting is done and _pool is None
+        if keep:
+            _start_reports[pool] = started
+            _report_readers[pool] = _read_reports(pool, started)
+            _pool, _pool_pid, _starting = pool, os.getpid(), None
+    if not keep:  # shut down while it started
+        _kill_pool(pool)
+    done.set_result(None)
+
+
+def _install_exit_hooks() -> None:
+    """Kill the default pool's workers at exit (the caller holds _lock; in the thread that asks for a pool,
+    not the one that starts it, so that an exit during a start finds the hooks in place)."""
+    global _exit_hook_installed
+    if _exit_hook_installed:
+        return
+    # concurrent.futures joins its pools before atexit callbacks run, waiting for
+    # running work; this hook must run first, so it registers the same way, later
+    # (threading runs these hooks last registered first; importing the module registers its own).
+    import concurrent.futures.process  # noqa: F401
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        (register or __import__("atexit").register)(shutdown_default_executor, kill=True)
+    except RuntimeError:  # pragma: no cover - interpreter already shutting down
+        pass
+    # In a multiprocessing child (a fragment that SPAWNs), exiting joins the child's
+    # own children before either hook above runs: a finalizer runs before that join.
+    from multiprocessing import util
+
+    util.Finalize(None, shutdown_default_executor, kwargs={"kill": True}, exitpriority=100)
+    _exit_hook_installed = True
+
+
+def submit(executor, fn, *args) -> cf.Future:
+    """executor.submit(fn, *args), making sure a process pool watches the worker the call may start.
+
+    concurrent.futures' ProcessPoolExecutor (as in Python 3.11) starts a
+    worker on demand inside submit(), *after* waking its manager thread, which
+    may already be waiting again, on the workers it knew: the new worker's
+    death would go unnoticed until some other event woke the manager (another
+    worker's result), and a run whose sibling fragments never finish would
+    hang.  Waking the manager once more, after the worker is in the pool, makes
+    it wait on that worker too.  (The default pool starts all its workers up
+    front; this is for a user's pool.)
+    """
+    procs = getattr(executor, "_processes", None) if isinstance(executor, cf.ProcessPoolExecutor) else None
+    before = len(procs) if isinstance(procs, dict) else None
+    future = executor.submit(fn, *args)
+    if before is not None:
+        procs = getattr(executor, "_processes", None)
+        if isinstance(procs, dict) and len(procs) != before:
+            wakeup = getattr(executor, "_executor_manager_thread_wakeup", None)
+            try:
+                wakeup.wakeup()
+            except Exception:  # pragma: no cover - closed meanwhile (a broken or shut-down pool)
+                pass
+    return future
 
 
 def worker_setup(parent: int, started=None) -> None:
@@ -162,12 +314,13 @@ def shutdown_default_executor(kill: bool = False) -> None:
     included; this is what happens at interpreter exit, so that exiting never
     waits for a fragment to finish.
     """
-    global _pool
+    global _pool, _starting
     if _pool_pid is not None and os.getpid() != _pool_pid:
         _forget_in_child()  # a forked child exiting: the pool and its workers are its parent's
         return
     with _lock:
         pool, _pool = _pool, None
+        _starting = None  # a start under way: its thread throws the pool away (see _start_pool)
         retired = list(_retired) if kill else []
         for old in retired:
             del _retired[old]
@@ -180,12 +333,13 @@ def shutdown_default_executor(kill: bool = False) -> None:
         _kill_pool(pool)
     else:
         pool.shutdown(wait=True, cancel_futures=True)
+        _stop_reading(pool)
 
 
 def _forget_in_child() -> None:
     """In a forked child: the default pool belongs to the parent; a SPAWN here makes the child its own."""
-    global _pool, _pool_pid, _lock
-    _pool = _pool_pid = None
+    global _pool, _pool_pid, _lock, _starting
+    _pool = _pool_pid = _starting = None
     _retired.clear()
     _watched.clear()
     _lock = threading.RLock()  # the parent's may have been held by another thread at the fork
@@ -221,6 +375,7 @@ def _kill_pool(pool) -> None:
         pass
     if manager is not None:
         manager.join(timeout=5)
+    _stop_reading(pool)
 
 
 def retire_running(executor, future: cf.Future | None = None) -> None:
@@ -300,6 +455,7 @@ def discard_broken(executor) -> None:
         executor.shutdown(wait=False, cancel_futures=True)
     except Exception:  # pragma: no cover
         pass
+    _stop_reading(executor)
 
 
 def register_executor(name: str, executor) -> None:
@@ -361,10 +517,14 @@ def executor_name(spec) -> str:
     return type(spec).__name__
 
 
-def resolve_executor(spec):
-    """The executor a SPAWN's executor field stands for, in this process."""
+def resolve_executor(spec, wait: bool = True):
+    """The executor a SPAWN's executor field stands for, in this process.
+
+    With wait=False, a default pool that is not up yet is a future instead
+    (see start_default_executor): done when it is, then ask again.
+    """
     if spec is None:
-        return default_executor()
+        return default_executor() if wait else _default_or_start()
     if isinstance(spec, str):
         try:
             executor = _named[spec]
@@ -373,7 +533,9 @@ def resolve_executor(spec):
             raise SpawnError(f"no executor is registered under the name {spec!r} in this process "
                              f"(registered: {known}); call flowvm.register_executor({spec!r}, ...) "
                              "before running or resuming the program") from None
-        return default_executor() if executor is None else executor
+        if executor is None:
+            return default_executor() if wait else _default_or_start()
+        return executor
     if isinstance(spec, ExecutorRef):
         executor = _by_token.get(spec.token)
         if executor is None:
@@ -385,16 +547,72 @@ def resolve_executor(spec):
     return spec
 
 
+def _default_or_start():
+    pool, starting = start_default_executor()
+    return pool if pool is not None else starting
+
+
 # ----------------------------------------------------------------- start reports
-def _drain(reports) -> None:
-    """Move a default pool's start reports into _started (the caller holds _lock)."""
+def _drain(reports) -> bool:
+    """Move a default pool's start reports into _started (the caller holds _lock); False if the queue is gone."""
     try:
         while not reports.empty():
             n, t = reports.get()
             if n in _awaited:  # else its SPAWN is already over
                 _started[n] = t
     except (OSError, EOFError, ValueError):  # the pool is gone
+        return False
+    return True
+
+
+def _read_reports(pool, reports):
+    """Read a default pool's start reports as they come, in a thread of the pool's owner, until the pool
+    is closed (the finalizer returned stops it; it also runs if the pool is garbage-collected).
+
+    The workers write a report to a pipe as each task starts (run_job); read
+    only when a SPAWN with a timeout or a retired pool needed one, the pipe
+    filled after some 1,700 tasks and every worker blocked there for ever.
+    Reads happen under _lock and only while a report is waiting (_drain), so
+    the thread and _drain's other callers never block one another.
+    """
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    reader = getattr(reports, "_reader", None)
+    if reader is None:  # pragma: no cover - another multiprocessing: reports are drained when needed only
+        return None
+    stop_r, stop_w = multiprocessing.Pipe(duplex=False)
+
+    def run() -> None:
+        try:
+            while True:
+                ready = wait([reader, stop_r])
+                if stop_r in ready:
+                    return
+                with _lock:
+                    if not _drain(reports):
+                        return
+        except (OSError, EOFError, ValueError):  # pragma: no cover - closed under it
+            pass
+        finally:
+            stop_r.close()
+
+    threading.Thread(target=run, name="flowvm-start-reports", daemon=True).start()
+    return weakref.finalize(pool, _send_stop, stop_w)
+
+
+def _send_stop(stop_w) -> None:
+    try:
+        stop_w.send_bytes(b"")
+        stop_w.close()
+    except (OSError, ValueError):  # pragma: no cover - the reader is gone
         pass
+
+
+def _stop_reading(pool) -> None:
+    stop = _report_readers.pop(pool, None)
+    if stop is not None:
+        stop()
 
 
 def _start_of(reports, nonce: bytes | None) -> float | None:

@@ -10,6 +10,7 @@ import io
 import os
 import pickle
 import socket
+import threading
 import time
 import traceback
 import weakref
@@ -17,7 +18,7 @@ from typing import Any
 
 from ..base.errors import SpawnError, SpawnTimeout
 from .executors import (discard_broken, executor_name, expect_start, forget, main_guard_hint, report_start,
-                        resolve_executor, retire_running, started_at, track, was_moved)
+                        resolve_executor, retire_running, started_at, submit, track, was_moved)
 from ..persist.pickler import Pickler, pickle_bytes
 from ..program.registers import Registers
 
@@ -131,6 +132,17 @@ def decode_outcome(data: bytes):
 
 
 # ----------------------------------------------------------------- the parent's handle
+def _submit(executor, spec, payload: bytes, nonce: bytes, timeout: float | None) -> cf.Future:
+    expect_start(executor, nonce)
+    try:
+        return submit(executor, run_job, payload, timeout)
+    except Exception as err:
+        forget(nonce)
+        discard_broken(executor)
+        raise SpawnError(f"the {executor_name(spec)} refused the fragment: "
+                         f"{type(err).__name__}: {err}") from err
+
+
 def _cancel(future: cf.Future, nonce: bytes | None = None) -> None:
     forget(nonce)
     try:
@@ -140,36 +152,91 @@ def _cancel(future: cf.Future, nonce: bytes | None = None) -> None:
 
 
 class Job:
-    """A submitted SPAWN fragment: the live handle, cancelled when dropped."""
+    """A submitted SPAWN fragment: the live handle, cancelled when dropped.
 
-    def __init__(self, future: cf.Future, executor, nonce: bytes | None = None):
+    A fragment for the default pool while that pool starts (in a background
+    thread) waits in its Job, already pickled, with ``future`` None: the
+    thread that started the pool submits it as soon as the pool is up (or the
+    next poll does, whichever comes first: ``submitted()``).  A Job cancelled
+    or dropped before then is never submitted.
+    """
+
+    def __init__(self, future: cf.Future | None, executor, nonce: bytes | None = None):
         self.future = future
         self.executor = executor
         self.nonce = nonce
         self.running_since: float | None = None  # when the executor first reported the task running
-        self._finalizer = weakref.finalize(self, _cancel, future, nonce)
-        track(executor, future, nonce)
+        self._waiting: tuple | None = None  # (spec, payload, timeout, the pool's start) while future is None
+        self._lock: threading.RLock | None = None  # guards _waiting and future while future is None
+        self._finalizer = None
+        if future is not None:
+            self._finalizer = weakref.finalize(self, _cancel, future, nonce)
+            track(executor, future, nonce)
 
     @classmethod
     def submit(cls, fragment, spec, registers: Registers, timeout: float | None = None) -> "Job":
         """Submit fragment, with the registers it reads, to the executor spec stands for (the worker
-        stops it at the first step boundary past timeout seconds of running, see run_job)."""
+        stops it at the first step boundary past timeout seconds of running, see run_job).
+
+        The registers are read (pickled) now, whether the task goes to its
+        executor now or, for a default pool still starting, once it is up.
+        """
         from ..program.analysis import reads
 
-        executor = resolve_executor(spec)
+        executor = resolve_executor(spec, wait=False)
         nonce = os.urandom(8)
         payload = job_payload(fragment, registers, sorted(reads(fragment)), nonce)
-        expect_start(executor, nonce)
-        try:
-            future = executor.submit(run_job, payload, timeout)
-        except Exception as err:
-            forget(nonce)
-            discard_broken(executor)
-            raise SpawnError(f"the {executor_name(spec)} refused the fragment: "
-                             f"{type(err).__name__}: {err}") from err
-        return cls(future, executor, nonce)
+        if isinstance(executor, cf.Future):  # the default pool, starting
+            job = cls(None, None, nonce)
+            job._lock = threading.RLock()  # re-entered by a callback that runs at once
+            job._wait_for(spec, payload, timeout, executor)
+            return job
+        return cls(_submit(executor, spec, payload, nonce, timeout), executor, nonce)
+
+    def _wait_for(self, spec, payload: bytes, timeout: float | None, starting: cf.Future) -> None:
+        """Submit once starting is done (the callback holds the Job weakly: a dropped Job is not submitted)."""
+        self._waiting = (spec, payload, timeout, starting)
+        ref = weakref.ref(self)
+
+        def pool_up(_):  # in the thread that started the pool (or this one, if it is up already)
+            job = ref()
+            if job is not None:
+                try:
+                    job.submitted()
+                except Exception:  # the next poll raises it
+                    pass
+
+        starting.add_done_callback(pool_up)
+
+    def submitted(self) -> bool:
+        """Whether the task is in its executor; one waiting for the default pool is submitted here if the
+        pool is up.  Raises SpawnError if the pool could not start or refused the task (the Job is then
+        spent: the SPAWN's next step starts over)."""
+        if self.future is not None:
+            return True
+        with self._lock:
+            if self.future is not None:
+                return True
+            if self._waiting is None:  # cancelled
+                return False
+            spec, payload, timeout, starting = self._waiting
+            if not starting.done():
+                return False
+            starting.result()  # the pool's start failed: SpawnError
+            executor = resolve_executor(spec, wait=False)
+            if isinstance(executor, cf.Future):  # shut down meanwhile: a new start
+                self._wait_for(spec, payload, timeout, executor)
+                return False
+            future = _submit(executor, spec, payload, self.nonce, timeout)
+            self._finalizer = weakref.finalize(self, _cancel, future, self.nonce)
+            track(executor, future, self.nonce)
+            self.executor, self._waiting, self.future = executor, None, future
+            return True
 
     def ready_future(self) -> cf.Future | None:
+        if self.future is None:  # done when the default pool is up (and has the task, or the next poll gives it)
+            waiting = self._waiting
+            return waiting[3] if waiting is not None else None
         return self.future if isinstance(self.future, cf.Future) else None
 
     def overdue(self, timeout: float) -> bool:
@@ -191,15 +258,21 @@ class Job:
 
     def moved(self) -> bool:
         """Whether the task was left unstarted on a retired pool: its SPAWN submits it again."""
-        return was_moved(self.future)
+        return self.future is not None and was_moved(self.future)
 
     def drop(self) -> None:
         """Forget a moved task (its copy on the retired pool is abandoned)."""
-        self._finalizer.detach()
+        if self._finalizer is not None:
+            self._finalizer.detach()
         forget(self.nonce)
 
     def cancel(self) -> None:
         """Cancel the task; one already running on the default pool retires that pool (see retire_running)."""
+        if self.future is None:
+            with self._lock:
+                self._waiting = None  # never submitted now
+            if self.future is None:
+                return
         self._finalizer()
         if not self.future.done() or self.future.running():
             retire_running(self.executor, self.future)

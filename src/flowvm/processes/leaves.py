@@ -372,7 +372,9 @@ class SPAWN(Leaf):
     place) are lost unless the fragment stores them to a register.  The value
     is the fragment's, also stored to ``store_to``.
 
-    ``executor``: None (a local process pool shared by the whole process),
+    ``executor``: None (a local process pool shared by the whole process,
+    started in a background thread by the first SPAWN, whose steps poll
+    PENDING meanwhile: the registers are read at its first step all the same),
     any ``concurrent.futures.Executor`` (``client.get_executor()`` for Dask;
     a Dask Client works too), or a name given to
     ``flowvm.register_executor``.  ``timeout`` bounds the
@@ -474,6 +476,13 @@ class SPAWN(Leaf):
             job = live.get(key)
             if job is None:
                 live[key] = Job.submit(el.body, el.executor, registers, el.timeout)
+                return PENDING
+            if job.future is None:  # waiting for the default pool to start
+                try:
+                    job.submitted()
+                except BaseException:
+                    del live[key]
+                    raise
                 return PENDING
             if job.moved():  # left unstarted on a retired pool: to the fresh one
                 job.drop()
