@@ -306,6 +306,11 @@ class Job:
             note = f"flowvm: the SPAWN fragment failed in {host}; its traceback there:\n{text.rstrip()}"
             if exc is None:
                 raise SpawnError(f"the fragment raised an exception that cannot be sent back\n{note}")
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: the fragment's, not this process's
+                err = SpawnError(f"the fragment raised {type(exc).__name__}{exc.args!r} in {host}: it stops the "
+                                 "fragment, not this process; the next step submits the fragment again")
+                err.add_note(note)
+                raise err from exc
             exc.add_note(note)
             try:
                 exc.child_traceback = text
