@@ -41,6 +41,7 @@ from typing import Any
 
 from ..pickled import stable
 from ..base.errors import SpawnError
+from .starts import move_unstarted, report_starts_to, stop_reading, watch_starts
 
 _lock = threading.RLock()
 _pool = None  # the default pool, created on first use
@@ -49,13 +50,6 @@ _pool_pid = None  # the process that created it: a forked child must leave it al
 _exit_hook_installed = False
 _retired: dict = {}  # former default pools -> their abandoned futures (killed when the rest is done, or at exit)
 _watched: dict = {}  # retired pools -> their futures that already have a _kill_when_idle callback
-_start_reports: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # default pools -> their start queue
-_report_readers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # default pools -> stops their reader
-_started: dict[bytes, float] = {}  # task nonce -> when a worker started it (drained from the start queues)
-_awaited: set[bytes] = set()  # nonces of default-pool tasks whose SPAWN still waits on them
-_nonce_of: "weakref.WeakKeyDictionary[cf.Future, bytes]" = weakref.WeakKeyDictionary()  # default-pool tasks
-_moved: "weakref.WeakSet[cf.Future]" = weakref.WeakSet()  # tasks left unstarted on a retired pool
-_report_start = None  # in a default pool's worker: puts (nonce, start time) on the pool's start queue
 _named: dict[str, Any] = {}
 _by_token: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 
@@ -211,8 +205,7 @@ def _start_pool(done: cf.Future) -> None:
     with _lock:
         keep = _starting is done and _pool is None
         if keep:
-            _start_reports[pool] = started
-            _report_readers[pool] = _read_reports(pool, started)
+            watch_starts(pool, started)
             _pool, _pool_pid, _starting = pool, os.getpid(), None
     if not keep:  # shut down while it started
         _kill_pool(pool)
@@ -282,8 +275,7 @@ def worker_setup(parent: int, started=None) -> None:
     """
     import signal
 
-    global _report_start
-    _report_start = started.put if started is not None else None
+    report_starts_to(started)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
@@ -333,7 +325,7 @@ def shutdown_default_executor(kill: bool = False) -> None:
         _kill_pool(pool)
     else:
         pool.shutdown(wait=True, cancel_futures=True)
-        _stop_reading(pool)
+        stop_reading(pool)
 
 
 def _forget_in_child() -> None:
@@ -375,7 +367,7 @@ def _kill_pool(pool) -> None:
         pass
     if manager is not None:
         manager.join(timeout=5)
-    _stop_reading(pool)
+    stop_reading(pool)
 
 
 def retire_running(executor, future: cf.Future | None = None) -> None:
@@ -406,19 +398,7 @@ def _move_unstarted(pool) -> None:
     """The tasks of a retired pool that no worker has started may wait there behind abandoned ones for
     ever: they are cancelled where possible and marked moved, and their SPAWNs submit them again to the
     fresh default pool (a task that starts on the old pool meanwhile runs twice: at least once)."""
-    reports = _start_reports.get(pool)
-    if reports is None:
-        return
-    _drain(reports)
-    abandoned = _retired[pool]
-    for item in list((getattr(pool, "_pending_work_items", None) or {}).values()):
-        fut = item.future
-        nonce = _nonce_of.get(fut)
-        if fut in abandoned or fut.done() or nonce is None or nonce in _started:
-            continue
-        fut.cancel()  # refused for the one a pool has queued for a worker already: it is left behind
-        _moved.add(fut)
-        abandoned.add(fut)
+    move_unstarted(pool, _retired[pool])
 
 
 def _kill_when_idle(pool) -> None:
@@ -455,7 +435,7 @@ def discard_broken(executor) -> None:
         executor.shutdown(wait=False, cancel_futures=True)
     except Exception:  # pragma: no cover
         pass
-    _stop_reading(executor)
+    stop_reading(executor)
 
 
 def register_executor(name: str, executor) -> None:
@@ -550,121 +530,6 @@ def resolve_executor(spec, wait: bool = True):
 def _default_or_start():
     pool, starting = start_default_executor()
     return pool if pool is not None else starting
-
-
-# ----------------------------------------------------------------- start reports
-def _drain(reports) -> bool:
-    """Move a default pool's start reports into _started (the caller holds _lock); False if the queue is gone."""
-    try:
-        while not reports.empty():
-            n, t = reports.get()
-            if n in _awaited:  # else its SPAWN is already over
-                _started[n] = t
-    except (OSError, EOFError, ValueError):  # the pool is gone
-        return False
-    return True
-
-
-def _read_reports(pool, reports):
-    """Read a default pool's start reports as they come, in a thread of the pool's owner, until the pool
-    is closed (the finalizer returned stops it; it also runs if the pool is garbage-collected).
-
-    The workers write a report to a pipe as each task starts (run_job); read
-    only when a SPAWN with a timeout or a retired pool needed one, the pipe
-    filled after some 1,700 tasks and every worker blocked there for ever.
-    Reads happen under _lock and only while a report is waiting (_drain), so
-    the thread and _drain's other callers never block one another.
-    """
-    import multiprocessing
-    from multiprocessing.connection import wait
-
-    reader = getattr(reports, "_reader", None)
-    if reader is None:  # pragma: no cover - another multiprocessing: reports are drained when needed only
-        return None
-    stop_r, stop_w = multiprocessing.Pipe(duplex=False)
-
-    def run() -> None:
-        try:
-            while True:
-                ready = wait([reader, stop_r])
-                if stop_r in ready:
-                    return
-                with _lock:
-                    if not _drain(reports):
-                        return
-        except (OSError, EOFError, ValueError):  # pragma: no cover - closed under it
-            pass
-        finally:
-            stop_r.close()
-
-    threading.Thread(target=run, name="flowvm-start-reports", daemon=True).start()
-    return weakref.finalize(pool, _send_stop, stop_w)
-
-
-def _send_stop(stop_w) -> None:
-    try:
-        stop_w.send_bytes(b"")
-        stop_w.close()
-    except (OSError, ValueError):  # pragma: no cover - the reader is gone
-        pass
-
-
-def _stop_reading(pool) -> None:
-    stop = _report_readers.pop(pool, None)
-    if stop is not None:
-        stop()
-
-
-def _start_of(reports, nonce: bytes | None) -> float | None:
-    """When a default-pool worker started the task with this nonce (None: not yet), from its reports."""
-    with _lock:
-        _drain(reports)
-        return _started.get(nonce)
-
-
-def _forget(nonce: bytes | None) -> None:
-    """The task is over for its SPAWN (finished, cancelled, dropped): its start report is not needed."""
-    _started.pop(nonce, None)
-    _awaited.discard(nonce)
-
-
-def expect_start(executor, nonce: bytes) -> bool:
-    """A task with this nonce is being submitted to executor: keep its start report when one comes (a
-    default pool's workers report their tasks' starts).  Whether executor reports starts."""
-    if executor in _start_reports:
-        _awaited.add(nonce)  # before the worker can report its start
-        return True
-    return False
-
-
-def track(executor, future: cf.Future, nonce: bytes | None) -> None:
-    """Remember which nonce a default-pool future runs (for moving unstarted tasks off a retired pool)."""
-    if nonce is not None and executor in _start_reports:
-        _nonce_of[future] = nonce
-
-
-def started_at(executor, nonce: bytes | None) -> tuple[bool, float | None]:
-    """(whether executor reports starts, when the task with this nonce started there or None)."""
-    reports = _start_reports.get(executor)
-    if reports is None:
-        return False, None
-    return True, _start_of(reports, nonce)
-
-
-def forget(nonce: bytes | None) -> None:
-    """The task is over for its SPAWN (finished, cancelled, dropped): its start report is not needed."""
-    _forget(nonce)
-
-
-def was_moved(future: cf.Future) -> bool:
-    """Whether the task was left unstarted on a retired pool (its SPAWN submits it again)."""
-    return future in _moved
-
-
-def report_start(nonce: bytes) -> None:
-    """In a default pool's worker: tell the parent that the task with this nonce starts now."""
-    if _report_start is not None:
-        _report_start((nonce, time.monotonic()))
 
 
 def executor_by_token(token: str):

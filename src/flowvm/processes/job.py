@@ -17,8 +17,8 @@ import weakref
 from typing import Any
 
 from ..base.errors import SpawnError, SpawnTimeout
-from .executors import (discard_broken, executor_name, expect_start, forget, main_guard_hint, report_start,
-                        resolve_executor, retire_running, started_at, submit, track, was_moved)
+from .executors import discard_broken, executor_name, main_guard_hint, resolve_executor, retire_running, submit
+from .starts import expect_start, forget, report_start, started_at, track, was_moved
 from ..persist.pickler import Pickler, pickle_bytes
 from ..program.registers import Registers
 
