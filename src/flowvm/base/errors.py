@@ -192,3 +192,24 @@ class CopyWarning(UserWarning):
 
 class SettingsWarning(UserWarning):
     """A resumed run changed a setting of this process to the value the run was saved with."""
+
+
+# Signals flowvm raises and catches itself (never seen by users), kept with the other exception classes
+class Refused(Exception):
+    """A value a state file cannot hold, where it is and what to do."""
+
+    def __init__(self, where: str, what: str, hint: str = ""):
+        super().__init__(f"{where} holds {what}" + (f": {hint}" if hint else ""))
+        self.where, self.what = where, what
+
+
+class WarmedUp(Exception):
+    """Raised by the backend wrapper in the warm-up thread: compiled, nothing run."""
+
+
+class StoppedDuringStartup(BaseException):
+    """SIGINT or SIGTERM before the run's first step: the command stops at once (nothing ran to save)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

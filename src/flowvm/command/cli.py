@@ -41,10 +41,10 @@ from pathlib import Path
 
 from ..persist import checkpoint
 from ..persist import state
-from ..base.errors import CheckpointError, FlowError
+from ..base.errors import CheckpointError, FlowError, StoppedDuringStartup
 from .targets import build_program, bundled_programs, load_module
 from .common import KEY_ENV, check_checkpoint_path, check_output, checkpoint_location, finish, is_state, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, trusted_header, write_model
-from .runner import DEFAULT_EVERY_SECONDS, Stop, StoppedDuringStartup, static_steps
+from .runner import DEFAULT_EVERY_SECONDS, Stop, static_steps
 from .state_commands import cmd_resume_state, cmd_show_state
 from .sweeps import cmd_plot, cmd_sweep, start_dask
 

@@ -23,6 +23,7 @@ from typing import Any
 from .history import History
 from ..persist import checkpoint
 from ..machine.driver import Driver
+from ..base.errors import StoppedDuringStartup
 
 DEFAULT_EVERY_SECONDS = 60.0
 _MAX_CHUNK = 1 << 20  # steps per driver.run() call, at most
@@ -46,14 +47,6 @@ def static_steps(program) -> int | None:
         return count(program)
     except LookupError:
         return None
-
-
-class StoppedDuringStartup(BaseException):
-    """SIGINT or SIGTERM before the run's first step: the command stops at once (nothing ran to save)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 class Stop:

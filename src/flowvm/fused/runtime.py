@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 
 from ..base.errors import FusionWarning
+from ..base.errors import WarmedUp as _WarmedUp
 from ..machine.running import remaining_runs
 from .codegen import generate, leaf_source
 from .compiler import (_compiler_ready, _direct_caller, _direct_compile, _inductor_after_tracing, _modules, _submit,
@@ -53,10 +54,6 @@ from .compiler import compile_seconds as compiler_seconds
 MIN_TRIAL_SECONDS = 0.02   # a trial times each form for at least this long (and ``trials`` executions)
 RECHECK_FACTOR = 1         # the k-th decision is checked again after (executions timed) * 10**k more
 MAX_RECHECKS = 3
-
-
-class _WarmedUp(Exception):
-    """Raised by the backend wrapper in the warm-up thread: compiled, nothing run."""
 
 
 _tls = threading.local()

@@ -37,6 +37,8 @@ import sys
 from collections import OrderedDict
 from typing import Any, Callable
 
+from ..base.errors import Refused
+
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()  # no counterpart to restore into
 BIG = 2 ** 53  # ints beyond this are written as strings: JSON readers in other languages keep them exact
@@ -52,14 +54,6 @@ _NUMPY_DTYPE = re.compile(r"[<>|=]?(b1|[iu][1248]|f(2|4|8|12|16)|c(8|16|24|32)|[
 _GLOBALS = ("random", "numpy", "torch")
 _CONSTANT_NODES = ("int", "float", "bytes", "complex", "numpy_scalar", "torch_dtype", "torch_device", "torch_size",
                    "global_generator", "tuple", "frozenset")
-
-
-class Refused(Exception):
-    """A value a state file cannot hold, where it is and what to do."""
-
-    def __init__(self, where: str, what: str, hint: str = ""):
-        super().__init__(f"{where} holds {what}" + (f": {hint}" if hint else ""))
-        self.where, self.what = where, what
 
 
 def type_name(obj: Any) -> str:
