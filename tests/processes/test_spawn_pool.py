@@ -1,5 +1,6 @@
-"""The default pool's start and its workers' deaths: a worker started last and killed is an error at once,
-the pool starts without blocking the caller, and a script the workers cannot import again is named."""
+"""The default pool: a worker started last and killed is an error at once, the pool starts without blocking
+the caller, thousands of tasks never clog its start reports, and a script its workers cannot import again
+is named."""
 
 import concurrent.futures as cf
 import gc
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -39,10 +41,10 @@ def write_pid_then_sleep(path, seconds):
 
 def wait_for_pid(path, limit=30.0) -> int:
     end = time.monotonic() + limit
-    while not (os.path.exists(path) and open(path).read()):
+    while not (os.path.exists(path) and Path(path).read_text()):
         assert time.monotonic() < end, "the fragment never wrote its pid"
         time.sleep(0.01)
-    return int(open(path).read())
+    return int(Path(path).read_text())
 
 
 # ----------------------------------------------------------------- a worker started last, killed
