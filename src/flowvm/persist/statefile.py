@@ -23,8 +23,6 @@ import hashlib
 import hmac
 import json
 import os
-import secrets
-import shutil
 import struct
 import sys
 import tempfile
@@ -37,7 +35,6 @@ from ..base.errors import CheckpointError
 from ..base.version import __version__
 from .fileformat import Digests
 from .pickler import storage_bytes
-from .remote import dead
 from .statevalues import numpy_dtype, torch_dtypes
 
 FORMAT = 1
@@ -67,61 +64,7 @@ def write(path: Any, table: dict, data: dict, metadata: dict) -> None:
             f.write(save(tensors, metadata=metadata))
         return
     storage.check_target(path)
-    _write_local(Path(local), lambda name: save_file(tensors, name, metadata=metadata), path)
-
-
-def _write_local(path: Path, save_to, target: Any) -> None:
-    directory = path.parent if str(path.parent) else Path(".")
-    _remove_orphans(path)
-    try:
-        mode = os.stat(path).st_mode & 0o7777
-    except OSError:
-        mode = None
-    work = directory / f".{path.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp"
-    try:
-        os.mkdir(work, 0o700)
-    except OSError as err:
-        raise CheckpointError(target, f"cannot save: {err.strerror or err} in {directory}") from err
-    try:
-        if mode is None:  # a new file: the permissions the umask gives, as open() would
-            fd = os.open(work / "mode", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            mode = os.fstat(fd).st_mode & 0o7777
-            os.close(fd)
-        tmp = work / "state.safetensors"
-        save_to(str(tmp))
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fchmod(fd, mode)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as err:
-        raise CheckpointError(target, f"cannot save: {err.strerror or err}") from err
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    try:  # make the rename durable
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
-
-
-def _remove_orphans(path: Path) -> None:
-    """Remove the private directories of saves of path whose process was killed mid-save."""
-    prefix, suffix = f".{path.name}.", ".tmp"
-    try:
-        names = [n for n in os.listdir(path.parent if str(path.parent) else ".")
-                 if n.startswith(prefix) and n.endswith(suffix)]
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(prefix):-len(suffix)].partition("-")[0]
-        if pid.isdigit() and dead(int(pid)) and (path.parent / name).is_dir():
-            shutil.rmtree(path.parent / name, ignore_errors=True)
+    storage.write_local_with(Path(local), lambda name: save_file(tensors, name, metadata=metadata), path)
 
 
 # ====================================================================== checking

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import stat
 from contextlib import contextmanager
 from pathlib import Path
@@ -157,8 +158,12 @@ def _remove_orphaned_temporaries(path: Path) -> None:
         pid_text = name[len(prefix):-len(suffix)].partition("-")[0]
         if not pid_text.isdigit() or not dead(int(pid_text)):
             continue
+        orphan = path.parent / name
         try:
-            os.unlink(path.parent / name)
+            if orphan.is_dir():  # a save that wrote through a private directory
+                shutil.rmtree(orphan, ignore_errors=True)
+            else:
+                os.unlink(orphan)
         except OSError:
             pass
 
@@ -184,6 +189,43 @@ def _create_temporary(path: Path) -> tuple[int, str]:
 
 
 # ------------------------------------------------------------------ the interface
+def write_local_with(path: Path, save_to, target: Any = None) -> None:
+    """Replace the local file path atomically with what save_to(name) writes to the file it is given by name
+    (writers that open the file themselves, such as safetensors' save_file): a temporary beside path, with
+    path's permissions, fsynced and renamed over it, the rename made durable."""
+    target = path if target is None else target
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = _create_temporary(path)
+        os.close(fd)
+    except OSError as err:
+        raise CheckpointError(target, f"cannot save: {err.strerror or err} in {directory}") from err
+    try:
+        save_to(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as err:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(err, OSError):
+            raise CheckpointError(target, f"cannot save: {err.strerror or err}") from err
+        raise
+    try:  # make the rename itself durable
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
 @contextmanager
 def open_write(target: Any) -> Iterator[BinaryIO]:
     """A binary file whose contents replace target atomically when the block ends without an error."""
