@@ -13,8 +13,8 @@ from .machine.driver import Driver
 from .base.sentinels import INCOMPLETE, PENDING
 from .program.elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, Leaf
 from .base.errors import (CheckpointError, CommandError, EditError, FlowError, PassError, RegisterError, SourceError,
-                          SpawnError, SpawnTimeout, SwitchError, UnknownPassError, VerifyError,
-                          CopyWarning, DataError, FusionWarning, SettingsWarning)
+                          SpawnError, SpawnTimeout, SpawnVersionError, SwitchError, UnknownPassError,
+                          VerifyError, SpawnVersionWarning, CopyWarning, DataError, FusionWarning, SettingsWarning)
 from .program.registers import Register, Registers
 from .program.verify import verify
 from .machine.depends import Depends
@@ -41,7 +41,8 @@ __all__ = [
     "verify", "save", "load", "read_header", "save_state", "load_state",
     "FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError",
     "optimize", "list_passes", "register_pass", "PassError", "UnknownPassError", "FUSED", "fusable",
-    "POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout", "register_executor",
+    "POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout", "SpawnVersionError",
+    "SpawnVersionWarning", "register_executor",
     "CopyWarning", "FusionWarning", "SettingsWarning",
     "Batches", "load_data", "DataError",
     "Depends", "ANY", "EditError", "isolate", "template", "to_dot", "to_mermaid",

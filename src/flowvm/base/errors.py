@@ -110,6 +110,27 @@ class SpawnTimeout(SpawnError, TimeoutError):
 
 
 @stable("flowvm")
+class SpawnVersionError(SpawnError):
+    """A worker refused a SPAWN fragment before running it: it has another version of a package (or of
+    Python or flowvm) that the fragment's code refers to by name, or lacks one.  ``package`` names it;
+    ``here`` and ``there`` are its versions in this process and on the worker (None: not installed)."""
+
+    def __init__(self, message: str, package: str | None = None, here: str | None = None,
+                 there: str | None = None):
+        super().__init__(message)
+        self.package, self.here, self.there = package, here, there
+
+    def __reduce__(self):
+        return type(self), (str(self), self.package, self.here, self.there)
+
+
+@stable("flowvm")
+class SpawnVersionWarning(RuntimeWarning):
+    """A worker ran a SPAWN fragment although its version of a package differs from this process's (an
+    executor registered with ``versions="warn"``)."""
+
+
+@stable("flowvm")
 class SourceError(FlowError, ValueError):
     """A program holds something that has no source form; ``path`` names the element."""
 

@@ -86,7 +86,7 @@ def cmd_resume(args) -> int:
     meta = header.get("meta") or {}
     module = module_of(meta)
     if meta.get("executor") == "dask":  # a sweep's trials ran on a Dask cluster: one again, under that name
-        start_dask()
+        start_dask(meta.get("scheduler"), meta.get("versions") or "error")
     set_threads(args.threads)
     if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
         args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
@@ -210,7 +210,12 @@ def parser() -> argparse.ArgumentParser:
     sweep.add_argument("--minimize", action="store_true", help="the lowest metric wins (default: the highest)")
     sweep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a fixed build() option")
     sweep.add_argument("--data", metavar="PATH", help="the program's data (a fixed data= option)")
-    sweep.add_argument("--executor", help="dask: run the trials on a Dask cluster on this machine")
+    sweep.add_argument("--executor", metavar="dask|ADDRESS",
+                       help="dask: run the trials on a Dask cluster on this machine; tcp://HOST:PORT: on the "
+                            "cluster of that Dask scheduler (the trials' code is shipped to its workers)")
+    sweep.add_argument("--versions", choices=("error", "warn"), default="error",
+                       help="when a worker's package versions differ from this process's: refuse the trial "
+                            "(error, the default) or run it with a warning")
     sweep.add_argument("--seed", type=int, default=0, help="seed of the configurations' draws")
     sweep.add_argument("--force", action="store_true", help="replace an unfinished run saved at --checkpoint")
     running(sweep)

@@ -13,18 +13,36 @@ from .targets import load_module, parse_sets
 from .common import check_checkpoint_path, check_output, finish, is_state, key_of, refuse_to_overwrite, runner_for, write_model
 
 
-def start_dask() -> Any:
-    """A Dask cluster on this machine (a worker process per core), registered as the executor "dask"."""
+def start_dask(scheduler: str | None = None, versions: str = "error") -> Any:
+    """A Dask client registered as the executor "dask": of a new cluster on this machine (a worker process
+    per core), or connected to the scheduler at the address given (``tcp://host:port``), whose workers
+    get the trials' code shipped (see flowvm.processes.shipping)."""
     try:
         from dask.distributed import Client, LocalCluster
     except ImportError:
         raise SystemExit("flowvm: --executor dask needs dask.distributed (pip install 'flowvm[dask]')") from None
     from .. import register_executor
 
-    client = Client(LocalCluster(n_workers=os.cpu_count() or 1, threads_per_worker=1, processes=True,
-                                 dashboard_address=None))
-    register_executor("dask", client)
+    if scheduler is None:
+        client = Client(LocalCluster(n_workers=os.cpu_count() or 1, threads_per_worker=1, processes=True,
+                                     dashboard_address=None))
+    else:
+        try:
+            client = Client(scheduler, timeout=30)
+        except OSError as err:
+            raise SystemExit(f"flowvm: cannot reach the Dask scheduler at {scheduler}: {err}") from None
+    register_executor("dask", client, versions=versions)
     return client
+
+
+def executor_option(value: str | None) -> str | None:
+    """The scheduler address an --executor option names (None: a cluster on this machine, or no Dask)."""
+    if value is None or value == "dask":
+        return None
+    if "://" in value:
+        return value
+    raise SystemExit("flowvm: --executor takes dask (a cluster on this machine) or a Dask scheduler's address "
+                     "(tcp://host:8786); the default is a local pool")
 
 
 def cmd_sweep(args) -> int:
@@ -40,19 +58,19 @@ def cmd_sweep(args) -> int:
     fixed = parse_sets(args.set, module.build)
     if args.data is not None:
         fixed["data"] = str(Path(args.data).resolve())
-    if args.executor not in (None, "dask"):
-        raise SystemExit("flowvm: --executor takes dask (a cluster on this machine); the default is a local pool")
-    if args.executor == "dask":
-        start_dask()
+    scheduler = executor_option(args.executor)
+    executor = None if args.executor is None else "dask"
+    if executor is not None:
+        start_dask(scheduler, args.versions)
     try:
         program = sweep.search(module.__name__.removeprefix("flowvm.programs."), args.space, args.trials, args.metric,
-                               args.minimize, fixed, args.executor, args.seed)
+                               args.minimize, fixed, executor, args.seed)
     except (ValueError, TypeError, ImportError) as err:
         raise SystemExit(f"flowvm: sweep: {err}") from err
     drv = program.start()
     meta = {"target": "sweep", "module": sweep.__name__, "search": {"program": args.target, "space": args.space,
             "metric": args.metric, "minimize": args.minimize, "sets": list(args.set), "trials": args.trials},
-            "executor": args.executor, "show": ["best_metric"], "every": args.every,
+            "executor": executor, "scheduler": scheduler, "versions": args.versions, "show": ["best_metric"], "every": args.every,
             "every_seconds": args.every_seconds}
     status = runner_for(args, drv, meta, args.checkpoint).run(args.max_steps)
     finish(drv, None, args.checkpoint, key_of(args) is not None)

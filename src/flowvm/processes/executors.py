@@ -51,6 +51,7 @@ _exit_hook_installed = False
 _retired: dict = {}  # former default pools -> their abandoned futures (killed when the rest is done, or at exit)
 _watched: dict = {}  # retired pools -> their futures that already have a _kill_when_idle callback
 _named: dict[str, Any] = {}
+_modes: dict[str, str] = {}  # executor name -> "error" or "warn" (see register_executor)
 _by_token: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 
 
@@ -438,17 +439,38 @@ def discard_broken(executor) -> None:
     stop_reading(executor)
 
 
-def register_executor(name: str, executor) -> None:
+def register_executor(name: str, executor, *, versions: str = "error") -> None:
     """Make ``SPAWN(..., executor=name)`` run on executor in this process (None: the default pool).
 
     Register the name again in a process that loads a checkpoint of such a
-    program before resuming it.
+    program before resuming it.  A fragment sent to any executor but the default
+    pool takes along the code that no installed distribution holds, and its worker
+    refuses it when its versions of the packages the fragment uses differ from
+    this process's (see flowvm.processes.shipping); ``versions="warn"`` runs it
+    anyway, with a SpawnVersionWarning here.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"executor name must be a non-empty str, got {name!r}")
+    if versions not in ("error", "warn"):
+        raise ValueError(f"register_executor({name!r}): versions must be 'error' or 'warn', got {versions!r}")
     if executor is not None:
         executor = check_executor(executor, f"register_executor({name!r})")
+        from . import shipping
+
+        shipping.warm()
     _named[name] = executor
+    _modes[name] = versions
+
+
+def version_mode(spec) -> str:
+    """What a worker does when its package versions differ from this process's: "error" or "warn"."""
+    return _modes.get(spec, "error") if isinstance(spec, str) else "error"
+
+
+def is_default_pool(executor) -> bool:
+    """Whether executor is the default local pool (or a retired one), whose workers share this process's
+    files: fragments go to it without shipping code or checking versions."""
+    return executor is _pool or (executor is not None and executor in _retired)
 
 
 def check_executor(executor, owner: str):

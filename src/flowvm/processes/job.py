@@ -13,11 +13,14 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from typing import Any
 
-from ..base.errors import SpawnError, SpawnTimeout
-from .executors import discard_broken, executor_name, main_guard_hint, resolve_executor, retire_running, submit
+from ..base.errors import SpawnError, SpawnTimeout, SpawnVersionWarning
+from . import shipping
+from .executors import (discard_broken, executor_name, is_default_pool, main_guard_hint, resolve_executor,
+                        retire_running, submit, version_mode)
 from .starts import expect_start, forget, report_start, started_at, track, was_moved
 from ..persist.pickler import Pickler, pickle_bytes
 from ..program.registers import Registers
@@ -34,27 +37,46 @@ class _JobPickler(Pickler):
         return "flowvm.registers" if obj is self._registers else None
 
 
-def job_payload(fragment, registers: Registers, names, nonce: bytes | None = None) -> bytes:
+class _ShippingPickler(_JobPickler, shipping.NotingPickler):
+    """The job pickler for executors whose workers may lack this process's files (see shipping)."""
+
+
+def job_payload(fragment, registers: Registers, names, nonce: bytes | None = None,
+                pickler: type = _JobPickler) -> bytes:
     """The bytes a child needs: fragment, the values of the named registers, a nonce.
 
     The nonce makes every submission unique, so executors that deduplicate
     identical tasks (Dask) never merge two SPAWNs or a resubmission.
     """
+    return _dump(pickler, fragment, registers, names, nonce)[0]
+
+
+def shipped_payload(fragment, registers: Registers, names, nonce: bytes, mode: str) -> tuple[str, bytes]:
+    """(manifest, payload) for an executor whose workers may not share this process's files: the code that
+    no installed distribution holds travels by value, the manifest names the versions the worker checks
+    (see shipping)."""
+    with shipping.by_value():
+        payload, pickler = _dump(_ShippingPickler, fragment, registers, names, nonce)
+    return shipping.manifest(pickler.noted, mode), payload
+
+
+def _dump(pickler_class, fragment, registers: Registers, names, nonce: bytes | None):
     shipped = {n: registers[n] for n in names if n in registers}
     buf = io.BytesIO()
+    pickler = pickler_class(buf, registers)
     try:
-        _JobPickler(buf, registers).dump((fragment, shipped, nonce or os.urandom(8)))
+        pickler.dump((fragment, shipped, nonce or os.urandom(8)))
     except Exception as err:
         for name, value in shipped.items():  # name the register at fault, when one is
             try:
-                _JobPickler(io.BytesIO(), registers).dump(value)
+                pickler_class(io.BytesIO(), registers).dump(value)
             except Exception:
                 raise SpawnError(f"register {name!r}, which the fragment reads, cannot be pickled to send it "
                                  f"to the other process ({type(err).__name__}: {err}); hold such objects "
                                  "(locks, open files) in the fragment itself") from err
         raise SpawnError(f"the fragment cannot be pickled to send it to the other process "
                          f"({type(err).__name__}: {err})") from err
-    return buf.getvalue()
+    return buf.getvalue(), pickler
 
 
 class _TrackingRegisters(Registers):
@@ -93,7 +115,12 @@ def run_job(payload: bytes, timeout: float | None = None) -> bytes:
     where = f"process {os.getpid()} on {socket.gethostname()}"
     try:
         registers = _TrackingRegisters()
-        fragment, shipped, nonce = _JobUnpickler(payload, registers).load()
+        try:
+            fragment, shipped, nonce = _JobUnpickler(payload, registers).load()
+        except ImportError as err:
+            raise SpawnError(f"the fragment refers by name to {_missing_name(err)}, which {where} cannot "
+                             f"import ({type(err).__name__}: {err}): the code of installed packages travels by name, "
+                             "not by value; install the package that provides it on the workers") from err
         report_start(nonce)  # the parent counts a timeout from here, and leaves started tasks be
         dict.update(registers, shipped)
         drv = Driver(fragment)
@@ -127,15 +154,37 @@ def run_job(payload: bytes, timeout: float | None = None) -> bytes:
         return pickle_bytes(("error", err, text, where))
 
 
+def _missing_name(err: ImportError) -> str:
+    return f"the module {err.name!r}" if getattr(err, "name", None) else "a module"
+
+
+def run_shipped(manifest: str, payload: bytes, timeout: float | None = None) -> bytes:
+    """run_job for a fragment from shipped_payload: its manifest checked first (a refusal runs nothing);
+    warnings of a "warn" manifest come back with the outcome, as ("warn", texts, run_job's bytes)."""
+    refusals, warned = shipping.check(manifest)
+    if refusals:
+        err = shipping.refusal(refusals)
+        return pickle_bytes(("error", err, f"{type(err).__name__}: {err}\n",
+                             f"process {os.getpid()} on {socket.gethostname()}"))
+    outcome = run_job(payload, timeout)
+    return pickle_bytes(("warn", warned, outcome)) if warned else outcome
+
+
 def decode_outcome(data: bytes):
-    return pickle.loads(data)
+    outcome = pickle.loads(data)
+    if outcome[0] == "warn":
+        _, texts, data = outcome
+        for text in texts:
+            warnings.warn(f"flowvm: the SPAWN fragment ran although {text}", SpawnVersionWarning, stacklevel=2)
+        outcome = pickle.loads(data)
+    return outcome
 
 
 # ----------------------------------------------------------------- the parent's handle
-def _submit(executor, spec, payload: bytes, nonce: bytes, timeout: float | None) -> cf.Future:
+def _submit(executor, spec, job: tuple, nonce: bytes) -> cf.Future:
     expect_start(executor, nonce)
     try:
-        return submit(executor, run_job, payload, timeout)
+        return submit(executor, *job)
     except Exception as err:
         forget(nonce)
         discard_broken(executor)
@@ -166,7 +215,7 @@ class Job:
         self.executor = executor
         self.nonce = nonce
         self.running_since: float | None = None  # when the executor first reported the task running
-        self._waiting: tuple | None = None  # (spec, payload, timeout, the pool's start) while future is None
+        self._waiting: tuple | None = None  # (spec, (run_job, payload, timeout), the pool's start) while future is None
         self._lock: threading.RLock | None = None  # guards _waiting and future while future is None
         self._finalizer = None
         if future is not None:
@@ -185,17 +234,21 @@ class Job:
 
         executor = resolve_executor(spec, wait=False)
         nonce = os.urandom(8)
-        payload = job_payload(fragment, registers, sorted(reads(fragment)), nonce)
+        names = sorted(reads(fragment))
         if isinstance(executor, cf.Future):  # the default pool, starting
             job = cls(None, None, nonce)
             job._lock = threading.RLock()  # re-entered by a callback that runs at once
-            job._wait_for(spec, payload, timeout, executor)
+            job._wait_for(spec, (run_job, job_payload(fragment, registers, names, nonce), timeout), executor)
             return job
-        return cls(_submit(executor, spec, payload, nonce, timeout), executor, nonce)
+        if is_default_pool(executor):  # its workers share this process's files and installation
+            work = (run_job, job_payload(fragment, registers, names, nonce), timeout)
+        else:
+            work = (run_shipped, *shipped_payload(fragment, registers, names, nonce, version_mode(spec)), timeout)
+        return cls(_submit(executor, spec, work, nonce), executor, nonce)
 
-    def _wait_for(self, spec, payload: bytes, timeout: float | None, starting: cf.Future) -> None:
+    def _wait_for(self, spec, work: tuple, starting: cf.Future) -> None:
         """Submit once starting is done (the callback holds the Job weakly: a dropped Job is not submitted)."""
-        self._waiting = (spec, payload, timeout, starting)
+        self._waiting = (spec, work, starting)
         ref = weakref.ref(self)
 
         def pool_up(_):  # in the thread that started the pool (or this one, if it is up already)
@@ -219,15 +272,15 @@ class Job:
                 return True
             if self._waiting is None:  # cancelled
                 return False
-            spec, payload, timeout, starting = self._waiting
+            spec, work, starting = self._waiting
             if not starting.done():
                 return False
             starting.result()  # the pool's start failed: SpawnError
             executor = resolve_executor(spec, wait=False)
             if isinstance(executor, cf.Future):  # shut down meanwhile: a new start
-                self._wait_for(spec, payload, timeout, executor)
+                self._wait_for(spec, work, executor)
                 return False
-            future = _submit(executor, spec, payload, self.nonce, timeout)
+            future = _submit(executor, spec, work, self.nonce)
             self._finalizer = weakref.finalize(self, _cancel, future, self.nonce)
             track(executor, future, self.nonce)
             self.executor, self._waiting, self.future = executor, None, future
@@ -236,7 +289,7 @@ class Job:
     def ready_future(self) -> cf.Future | None:
         if self.future is None:  # done when the default pool is up (and has the task, or the next poll gives it)
             waiting = self._waiting
-            return waiting[3] if waiting is not None else None
+            return waiting[2] if waiting is not None else None
         return self.future if isinstance(self.future, cf.Future) else None
 
     def overdue(self, timeout: float) -> bool:

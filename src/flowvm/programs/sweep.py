@@ -157,10 +157,24 @@ def draw(space: dict, trials: int, seed: int) -> list[dict]:
 class Trial:
     """One trial of a search: the program module ``target`` (a bundled name or a module name) built with the
     fixed options and a configuration, run to its end; its metric register, the fitted model (its module's
-    ``model(registers)``, when there is one) and the step count.  Picklable by reference to the module."""
+    ``model(registers)``, when there is one) and the step count.
+
+    It holds the module's ``build`` and ``model`` functions themselves, not the module's name: a trial sent to
+    a worker that cannot import the module (a program file on this machine only) takes them along by value
+    (see flowvm.processes.shipping), those of an installed module by reference."""
 
     def __init__(self, target: str, fixed: dict, metric: str):
         self.target, self.fixed, self.metric = target, dict(fixed), metric
+        module = self.module()
+        self.build, self.model = module.build, getattr(module, "model", None)
+        self.threads = getattr(module, "THREADS", None)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "build" not in state:  # a trial saved by flowvm 0.2.0 names its module only
+            module = self.module()
+            self.build, self.model = module.build, getattr(module, "model", None)
+            self.threads = getattr(module, "THREADS", None)
 
     def module(self):
         import importlib
@@ -171,15 +185,14 @@ class Trial:
             return importlib.import_module(self.target)
 
     def __call__(self, config: dict) -> dict:
-        module = self.module()
-        threads = getattr(module, "THREADS", None)
+        threads = self.threads
         if threads is not None:  # a torch program: its thread count for the trial
             import torch
 
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
         try:
-            drv = module.build(**self.fixed, **config).start()
+            drv = self.build(**self.fixed, **config).start()
             drv.run()
         finally:
             if threads is not None:
@@ -190,7 +203,7 @@ class Trial:
                            f"(registers: {', '.join(sorted(regs))})")
         value = regs[self.metric]
         value = float(value.item() if hasattr(value, "item") else value)
-        model = module.model(regs) if callable(getattr(module, "model", None)) else None
+        model = self.model(regs) if callable(self.model) else None
         return {"config": config, "metric": value, "model": model, "steps": drv.steps}
 
 
@@ -219,11 +232,10 @@ def search(target: str, space: "dict | list[str]", trials: int = 8, metric: str 
     clash = sorted(set(space) & set(fixed))
     if clash:
         raise ValueError(f"sweep: {', '.join(clash)} both searched and fixed")
-    trial = Trial(target, fixed, metric)
-    module = trial.module()  # refused here, not in a worker, when it cannot be imported
+    trial = Trial(target, fixed, metric)  # refused here, not in a worker, when the module cannot be imported
     import inspect
 
-    options = inspect.signature(module.build).parameters
+    options = inspect.signature(trial.build).parameters
     unknown = [n for n in list(space) + list(fixed) if n not in options
                and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in options.values())]
     if unknown:

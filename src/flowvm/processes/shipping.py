@@ -1,0 +1,279 @@
+"""What a SPAWN fragment takes along to a worker that may not have this process's files, and what the worker
+checks before it runs anything.
+
+Every executor but the default local pool (Dask, a named executor, a user's pool) gets its fragments this way:
+
+- **Code that is no installed distribution travels by value.**  The main script, a program file imported
+  under its name (``flowvm run train.py``), modules from the working directory or any other path outside an
+  installed distribution: each such pure-Python module is registered with cloudpickle's
+  ``register_pickle_by_value`` while the payload is written, so the functions and classes the fragment
+  reaches are written as code and the worker never imports them.
+- **Installed distributions, the standard library and flowvm travel by reference**: the worker imports
+  them.  The payload's manifest (plain JSON, read before anything is unpickled) names the version of every
+  distribution the pickle refers to by name (numpy, torch, scikit-learn, a pure-Python package alike), and
+  the Python and flowvm versions.  The worker compares them with its own and refuses the fragment
+  (``SpawnVersionError``, naming the package and both versions) on any difference, or on a distribution it
+  lacks; an executor registered with ``versions="warn"`` runs it anyway and the parent warns
+  (``SpawnVersionWarning``).  Equal versions are what a pickle by name needs: bit-for-bit equal results
+  across different numpy or torch versions are not promised even then.
+- **A compiled extension outside any distribution cannot travel**: the manifest names it with its path, and
+  a worker that cannot import it refuses the fragment naming it.
+
+A module belongs to a distribution when ``importlib.metadata`` maps its top-level name to one and its file
+lies under that distribution's install location: an editable install (``pip install -e``) of the user's own
+project is therefore shipped by value, as the worker would not have it.
+"""
+
+from __future__ import annotations
+
+import dis
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import site
+import sys
+import sysconfig
+import threading
+import types
+from contextlib import contextmanager
+
+import cloudpickle
+
+from ..base.errors import SpawnVersionError
+from ..base.version import __version__
+from ..persist.pickler import Pickler
+
+MODES = ("error", "warn")
+
+# Kinds of module: how it travels
+STDLIB, FLOWVM, INSTALLED, DIST, LOCAL, COMPILED = "stdlib", "flowvm", "installed", "dist", "local", "compiled"
+
+_lock = threading.Lock()  # cloudpickle's by-value registry is process-wide: one shipping pickle at a time
+_kinds: dict[str, tuple[int, tuple]] = {}  # module name -> (id of the module object, its kind)
+_top_dists: dict[str, list[str]] | None = None
+_versions: dict[str, str | None] = {}
+_local: tuple[int, list] = (-1, [])  # (len(sys.modules) when found, the local modules)
+
+
+class NotingPickler(Pickler):
+    """flowvm's pickler, noting the modules whose objects it writes by reference (``noted``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.noted: set[str] = set()
+
+    def reducer_override(self, obj):
+        reduced = super().reducer_override(obj)
+        note = self.noted.add
+        t = type(obj)
+        note(t.__module__)
+        if t is types.ModuleType:
+            note(obj.__name__)
+        elif reduced is NotImplemented:  # by name: a class, a function of an importable module, a builtin
+            module = getattr(obj, "__module__", None)
+            if isinstance(module, str):
+                note(module)
+        elif t is types.FunctionType:  # by value: its imports inside the body are by name
+            for name in _imports_in(obj.__code__):
+                note(name)
+        return reduced
+
+
+def _imports_in(code: types.CodeType):
+    for ins in dis.get_instructions(code):
+        if ins.opname == "IMPORT_NAME" and isinstance(ins.argval, str):
+            yield ins.argval
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _imports_in(const)
+
+
+@contextmanager
+def by_value():
+    """While the block runs, every loaded pure-Python module that no installed distribution holds is pickled
+    by value (the process-wide registry is set back afterwards)."""
+    with _lock:
+        before = cloudpickle.list_registry_pickle_by_value()
+        added = []
+        for module in local_modules():
+            if module.__name__ not in before:
+                cloudpickle.register_pickle_by_value(module)
+                added.append(module)
+        try:
+            yield
+        finally:
+            for module in added:
+                try:
+                    cloudpickle.unregister_pickle_by_value(module)
+                except ValueError:  # pragma: no cover - unregistered meanwhile by its owner
+                    pass
+
+
+def local_modules() -> list[types.ModuleType]:
+    """The loaded pure-Python modules that no installed distribution holds (recomputed when a module is
+    imported or removed)."""
+    global _local
+    count = len(sys.modules)
+    if _local[0] != count:
+        found = []
+        for name, module in list(sys.modules.items()):
+            if name not in ("__main__", "__mp_main__") and isinstance(module, types.ModuleType) \
+                    and kind_of(name)[0] == LOCAL:
+                found.append(module)
+        _local = (count, found)
+    return _local[1]
+
+
+def warm() -> None:
+    """Learn how the loaded modules travel now, in a background thread, so that the first fragment sent to
+    another executor does not wait for it (reading every distribution's metadata takes a while)."""
+    threading.Thread(target=local_modules, name="flowvm-shipping-warm", daemon=True).start()
+
+
+def kind_of(name: str) -> tuple:
+    """How the module called name travels: (STDLIB,), (FLOWVM,), (INSTALLED,) for site-packages files of
+    no known distribution, (DIST, distribution name), (LOCAL, file) or (COMPILED, file)."""
+    module = sys.modules.get(name)
+    cached = _kinds.get(name)
+    if cached is not None and cached[0] == id(module):
+        return cached[1]
+    kind = _kind(name, module)
+    _kinds[name] = (id(module), kind)
+    return kind
+
+
+def _kind(name: str, module) -> tuple:
+    top = name.partition(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins":
+        return (STDLIB,)
+    if top in ("flowvm", "flowvm_cli"):
+        return (FLOWVM,)
+    if module is None:
+        module = sys.modules.get(top)
+    path = _file_of(module)
+    if path is None:  # not loaded here, or no file (a builtin, a frozen module): the worker imports it
+        dists = _dists_of(top)
+        return (DIST, dists[0]) if dists else (INSTALLED,)
+    for dist_name in _dists_of(top):
+        try:
+            root = os.path.realpath(importlib.metadata.distribution(dist_name).locate_file(""))
+        except Exception:  # pragma: no cover - a broken installation's metadata
+            continue
+        if _under(path, root):
+            return (DIST, dist_name)
+    if any(_under(path, p) for p in _install_paths()):
+        return (INSTALLED,)
+    if path.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
+        return (COMPILED, path)
+    return (LOCAL, path)
+
+
+def _file_of(module) -> str | None:
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str):
+        paths = getattr(module, "__path__", None)  # a namespace package
+        path = next(iter(paths), None) if paths is not None else None
+    return os.path.realpath(path) if isinstance(path, str) else None
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _install_paths() -> list[str]:
+    paths = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    try:
+        paths.update(site.getsitepackages())
+        paths.add(site.getusersitepackages())
+    except AttributeError:  # pragma: no cover - a virtualenv's old site.py
+        pass
+    return [os.path.realpath(p) for p in paths if p]
+
+
+def _dists_of(top: str) -> list[str]:
+    global _top_dists
+    if _top_dists is None:
+        _top_dists = importlib.metadata.packages_distributions()
+    return _top_dists.get(top, [])
+
+
+def version_of(dist_name: str) -> str | None:
+    """The installed version of a distribution here (None: not installed); looked up once per process."""
+    if dist_name not in _versions:
+        try:
+            _versions[dist_name] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            _versions[dist_name] = None
+    return _versions[dist_name]
+
+
+def manifest(noted: set[str], mode: str) -> str:
+    """What the worker checks before it unpickles the fragment (JSON): the versions of Python, flowvm and
+    every distribution among the noted modules, and the compiled modules that could not be shipped."""
+    packages: dict[str, str] = {}
+    compiled: dict[str, str] = {}
+    for name in sorted(noted):
+        kind = kind_of(name)
+        if kind[0] == DIST:
+            version = version_of(kind[1])
+            if version is not None:
+                packages[kind[1]] = version
+        elif kind[0] == COMPILED:
+            compiled[name] = kind[1]
+    return json.dumps({"python": platform.python_version(), "flowvm": __version__, "packages": packages,
+                       "compiled": compiled, "mode": mode, "host": platform.node()})
+
+
+def check(text: str) -> tuple[list[SpawnVersionError], list[str]]:
+    """In the worker: (refusals, warnings) for a fragment's manifest.  A version that differs is a refusal,
+    or a warning in "warn" mode; a missing distribution or compiled module is always a refusal."""
+    wanted = json.loads(text)
+    where = f"the worker ({platform.node()}, Python {platform.python_version()}, {sys.executable})"
+    parent = f"the parent ({wanted.get('host', '?')})"
+    refusals: list[SpawnVersionError] = []
+    differ: list[SpawnVersionError] = []
+    here_python, there_python = wanted["python"], platform.python_version()
+    if here_python.split(".")[:2] != there_python.split(".")[:2]:
+        differ.append(SpawnVersionError(
+            f"Python is {here_python} in {parent} and {there_python} in {where}: a fragment pickled by one "
+            "Python minor version may not load or run under another", "python", here_python, there_python))
+    if wanted["flowvm"] != __version__:
+        differ.append(SpawnVersionError(f"flowvm is {wanted['flowvm']} in {parent} and {__version__} in {where}",
+                                        "flowvm", wanted["flowvm"], __version__))
+    for dist_name, version in wanted["packages"].items():
+        theirs = version_of(dist_name)
+        if theirs is None:
+            refusals.append(SpawnVersionError(
+                f"the fragment's code uses the package {dist_name!r} ({version} in {parent}), which is not "
+                f"installed in {where}: install {dist_name}=={version} there", dist_name, version, None))
+        elif theirs != version:
+            differ.append(SpawnVersionError(
+                f"the fragment's code uses the package {dist_name!r}, which is {version} in {parent} and {theirs} "
+                f"in {where}: install {dist_name}=={version} on the worker (or register the executor with "
+                "versions='warn' to run it anyway)", dist_name, version, theirs))
+    for name, path in wanted["compiled"].items():
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            refusals.append(SpawnVersionError(
+                f"the fragment uses the module {name!r}, a compiled extension ({path} in {parent}) that belongs "
+                f"to no installed distribution: compiled code cannot be shipped, and {where} cannot import it; "
+                "install it on the workers (as a package) or keep it out of the fragment", name, path, None))
+    if wanted.get("mode", "error") == "warn":
+        return refusals, [str(err) for err in differ]
+    return refusals + differ, []
+
+
+def refusal(errors: list[SpawnVersionError]) -> SpawnVersionError:
+    """One error for the worker's refusals: the first, with the others as notes."""
+    first = errors[0]
+    err = SpawnVersionError(f"the worker refused the fragment before running it: {first}", first.package,
+                            first.here, first.there)
+    for other in errors[1:]:
+        err.add_note(f"also: {other}")
+    return err
