@@ -63,6 +63,23 @@ TRAIN = """
         return flowvm_probe.VERSION
 
 
+    def lazy(x):
+        import lazyhelp  # a module of the working directory, imported by no one in the parent
+        from mypkg.maths import scale
+
+        return {"value": lazyhelp.twice(float(scale(x))), "loaded": "lazyhelp" in sys.modules}
+
+
+    def has_module(name):
+        return name in sys.modules
+
+
+    def use_fastbits(x):
+        import fastbits  # a compiled extension in the working directory
+
+        return fastbits.double(x)
+
+
     def build(executor=None, n=3, seconds=0.0):
         reg = Registers()
         return SEQ([WEAVE(-1, [SPAWN(CALL(trial, i, seconds, store_to=reg(f"r{i}")), executor=executor)
@@ -117,6 +134,22 @@ DRIVE = """
                 out[versions]["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught
                                              if issubclass(w.category, flowvm.SpawnVersionWarning)]
             print(json.dumps(out))
+        elif mode == "lazy":
+            train.connect()
+            reg = Registers(x=2)
+            SPAWN(CALL(train.lazy, reg("x"), store_to=reg("y")), executor="cluster").start().run()
+            SPAWN(CALL(train.has_module, "lazyhelp", store_to=reg("after")), executor="cluster").start().run()
+            print(json.dumps({"y": reg["y"], "after": reg["after"], "parent": "lazyhelp" in sys.modules}))
+        elif mode == "compiled":
+            train.connect()
+            reg = Registers(x=21)
+            local = SPAWN(CALL(train.use_fastbits, reg("x"), store_to=reg("y"))).start()
+            try:
+                SPAWN(CALL(train.use_fastbits, reg("x"), store_to=reg("y")), executor="cluster").start().run()
+                refused = None
+            except flowvm.SpawnError as err:
+                refused = {"error": type(err).__name__, "message": str(err), "package": err.package}
+            print(json.dumps({"local": local.run(), "cluster": refused}))
         elif mode == "save":
             train.connect()
             drv = train.build("cluster", seconds=1.0).start()
@@ -245,7 +278,8 @@ def cluster(tmp_path_factory, probes):
 
 @pytest.fixture
 def project(tmp_path):
-    write(tmp_path, {**MYPKG, "train.py": TRAIN, "drive.py": DRIVE, "sweepme.py": SWEEPME})
+    write(tmp_path, {**MYPKG, "train.py": TRAIN, "drive.py": DRIVE, "sweepme.py": SWEEPME,
+                     "lazyhelp.py": "def twice(x):\n    return 2 * x\n"})
     return tmp_path
 
 
@@ -303,6 +337,34 @@ def test_equal_versions_run_without_a_word(project, cluster, probes):
     out = json.loads(user(project, cluster, "probe", str(project / "ran-"), probe=probes["2.0"]).splitlines()[-1])
     assert out["error"] == {"value": "2.0", "warnings": []}
     assert (project / "ran-error").exists()
+
+
+def test_local_modules_imported_inside_a_shipped_function_come_as_source(project, cluster):
+    out = json.loads(user(project, cluster, "lazy").splitlines()[-1])
+    assert out == {"y": {"value": 12.0, "loaded": True}, "after": False, "parent": False}  # forgotten after
+
+
+FASTBITS = r"""
+#include <Python.h>
+static PyObject *double_(PyObject *self, PyObject *arg) { return PyNumber_Add(arg, arg); }
+static PyMethodDef methods[] = {{"double", double_, METH_O, "2 * x"}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastbits", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_fastbits(void) { return PyModule_Create(&module); }
+"""
+
+
+def test_a_compiled_module_that_cannot_travel_is_named_by_the_worker(project, cluster):
+    import sysconfig
+
+    (project / "fastbits.c").write_text(FASTBITS)
+    target = project / f"fastbits{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O0", f"-I{sysconfig.get_paths()['include']}", "fastbits.c",
+                    "-o", str(target)], cwd=project, check=True)
+    out = json.loads(user(project, cluster, "compiled").splitlines()[-1])
+    assert out["local"] == 42  # the default pool's workers share the working directory
+    refused = out["cluster"]
+    assert refused["error"] == "SpawnVersionError" and refused["package"] == "fastbits"
+    assert "'fastbits', a compiled extension" in refused["message"] and str(target) in refused["message"]
 
 
 def test_a_run_saved_with_spawns_in_flight_resumes_in_a_fresh_process_on_the_cluster(project, cluster):

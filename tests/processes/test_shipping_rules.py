@@ -2,6 +2,7 @@
 what the manifest names, what a worker's check refuses, and that the default pool pays for none of it."""
 
 import concurrent.futures as cf
+import importlib
 import importlib.machinery
 import json
 import pickle
@@ -128,3 +129,24 @@ def test_the_default_pool_never_ships_and_another_executor_always_does(monkeypat
 def test_register_executor_checks_its_versions_option():
     with pytest.raises(ValueError, match="versions must be 'error' or 'warn'"):
         flowvm.register_executor("strict", None, versions="ignore")
+
+
+def test_sources_of_a_local_package_serve_its_imports_in_a_worker(tmp_path, monkeypatch):
+    pkg = tmp_path / "shippedpkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .sub.deep import answer\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "deep.py").write_text("def answer():\n    return 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert shipping.kind_of("shippedpkg")[0] == shipping.LOCAL  # found without importing it
+    sources = shipping.sources_of("shippedpkg")
+    assert sorted(sources) == ["shippedpkg", "shippedpkg.sub", "shippedpkg.sub.deep"]
+    assert "shippedpkg" not in sys.modules
+    monkeypatch.syspath_prepend("/nonexistent")  # the worker: the files are gone, only the sources remain
+    sys.path.remove(str(tmp_path))
+    importlib.invalidate_caches()
+    with shipping.ShippedSources(sources):
+        import shippedpkg
+
+        assert shippedpkg.answer() == 42
+    assert "shippedpkg" not in sys.modules and "shippedpkg.sub.deep" not in sys.modules

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import io
+import json
 import os
 import pickle
 import socket
@@ -57,7 +58,7 @@ def shipped_payload(fragment, registers: Registers, names, nonce: bytes, mode: s
     (see shipping)."""
     with shipping.by_value():
         payload, pickler = _dump(_ShippingPickler, fragment, registers, names, nonce)
-    return shipping.manifest(pickler.noted, mode), payload
+    return shipping.manifest(pickler.noted, mode, pickler.imported), payload
 
 
 def _dump(pickler_class, fragment, registers: Registers, names, nonce: bytes | None):
@@ -166,7 +167,8 @@ def run_shipped(manifest: str, payload: bytes, timeout: float | None = None) -> 
         err = shipping.refusal(refusals)
         return pickle_bytes(("error", err, f"{type(err).__name__}: {err}\n",
                              f"process {os.getpid()} on {socket.gethostname()}"))
-    outcome = run_job(payload, timeout)
+    with shipping.ShippedSources(json.loads(manifest).get("sources") or {}):
+        outcome = run_job(payload, timeout)
     return pickle_bytes(("warn", warned, outcome)) if warned else outcome
 
 

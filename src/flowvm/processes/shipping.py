@@ -27,6 +27,7 @@ project is therefore shipped by value, as the worker would not have it.
 from __future__ import annotations
 
 import dis
+import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
@@ -42,7 +43,7 @@ from contextlib import contextmanager
 
 import cloudpickle
 
-from ..base.errors import SpawnVersionError
+from ..base.errors import SpawnError, SpawnVersionError
 from ..base.version import __version__
 from ..persist.pickler import Pickler
 
@@ -64,6 +65,7 @@ class NotingPickler(Pickler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.noted: set[str] = set()
+        self.imported: set[str] = set()  # modules that by-value functions import in their bodies
 
     def reducer_override(self, obj):
         reduced = super().reducer_override(obj)
@@ -79,6 +81,7 @@ class NotingPickler(Pickler):
         elif t is types.FunctionType:  # by value: its imports inside the body are by name
             for name in _imports_in(obj.__code__):
                 note(name)
+                self.imported.add(name)
         return reduced
 
 
@@ -153,7 +156,7 @@ def _kind(name: str, module) -> tuple:
         return (FLOWVM,)
     if module is None:
         module = sys.modules.get(top)
-    path = _file_of(module)
+    path = _file_of(module) if module is not None else _found_file(top)
     if path is None:  # not loaded here, or no file (a builtin, a frozen module): the worker imports it
         dists = _dists_of(top)
         return (DIST, dists[0]) if dists else (INSTALLED,)
@@ -177,6 +180,20 @@ def _file_of(module) -> str | None:
         paths = getattr(module, "__path__", None)  # a namespace package
         path = next(iter(paths), None) if paths is not None else None
     return os.path.realpath(path) if isinstance(path, str) else None
+
+
+def _found_file(top: str) -> str | None:
+    """Where the import system would load the top-level module from (nothing is imported)."""
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    origin = spec.origin if spec.has_location else None
+    if origin is None and spec.submodule_search_locations:
+        origin = next(iter(spec.submodule_search_locations), None)
+    return os.path.realpath(origin) if isinstance(origin, str) else None
 
 
 def _under(path: str, root: str) -> bool:
@@ -210,11 +227,13 @@ def version_of(dist_name: str) -> str | None:
     return _versions[dist_name]
 
 
-def manifest(noted: set[str], mode: str) -> str:
+def manifest(noted: set[str], mode: str, imported: set[str] = frozenset()) -> str:
     """What the worker checks before it unpickles the fragment (JSON): the versions of Python, flowvm and
-    every distribution among the noted modules, and the compiled modules that could not be shipped."""
+    every distribution among the noted modules, the compiled modules that could not be shipped, and the
+    sources of the local modules that shipped functions import in their bodies (see sources_of)."""
     packages: dict[str, str] = {}
     compiled: dict[str, str] = {}
+    sources: dict[str, str] = {}
     for name in sorted(noted):
         kind = kind_of(name)
         if kind[0] == DIST:
@@ -223,8 +242,84 @@ def manifest(noted: set[str], mode: str) -> str:
                 packages[kind[1]] = version
         elif kind[0] == COMPILED:
             compiled[name] = kind[1]
+        elif kind[0] == LOCAL and name in imported:
+            sources.update(sources_of(name.partition(".")[0]))
     return json.dumps({"python": platform.python_version(), "flowvm": __version__, "packages": packages,
-                       "compiled": compiled, "mode": mode, "host": platform.node()})
+                       "compiled": compiled, "sources": sources, "mode": mode, "host": platform.node()})
+
+
+SOURCE_LIMIT = 8 << 20  # bytes of source shipped for one local package
+
+
+def sources_of(top: str) -> dict[str, str]:
+    """{module name: source} of a local module, or of every .py file of a local package: what the worker
+    imports from when a shipped function runs ``import top`` (or one of its submodules) in its body."""
+    module = sys.modules.get(top)
+    path = _file_of(module) if module is not None else _found_file(top)
+    if path is None:
+        return {}
+    if os.path.basename(path) == "__init__.py":
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return {top: _read(path)} if path.endswith(".py") else {}
+    found: dict[str, str] = {}
+    size = 0
+    for folder, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+        rel = os.path.relpath(folder, path)
+        prefix = top if rel == "." else top + "." + rel.replace(os.sep, ".")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                text = _read(os.path.join(folder, name))
+                size += len(text)
+                found[prefix if name == "__init__.py" else f"{prefix}.{name[:-3]}"] = text
+    if size > SOURCE_LIMIT:
+        raise SpawnError(f"the fragment imports the local package {top!r} ({path}), whose {size >> 20} MB of "
+                         "source is too much to ship with every fragment: install it on the workers")
+    return found
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+class ShippedSources(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """In the worker, while a fragment runs: imports served from the sources its manifest carries.  The
+    worker's own modules come first; the modules imported from here are forgotten when it ends (a later
+    fragment may bring other versions of them)."""
+
+    def __init__(self, sources: dict[str, str]):
+        self.sources = sources
+        self.loaded: list[str] = []
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.sources:
+            return None
+        is_package = any(other.startswith(fullname + ".") for other in self.sources)
+        spec = importlib.util.spec_from_loader(fullname, self, origin=f"<shipped {fullname}>",
+                                               is_package=is_package)
+        return spec
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        name = module.__name__
+        self.loaded.append(name)
+        exec(compile(self.sources[name], f"<shipped {name}>", "exec"), module.__dict__)
+
+    def __enter__(self):
+        if self.sources:
+            sys.meta_path.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        if self.sources:
+            sys.meta_path.remove(self)
+            for name in self.loaded:
+                sys.modules.pop(name, None)
+        return False
 
 
 def check(text: str) -> tuple[list[SpawnVersionError], list[str]]:
