@@ -314,6 +314,12 @@ def test_a_sweep_of_a_program_file_on_the_cluster_equals_the_local_pool(project,
     table = local[local.index("search of 3 trials"):]
     assert on_cluster[on_cluster.index("search of 3 trials"):] == table
     assert len(table.splitlines()) == 5  # the best line, the header and a row per trial
+    # stopped with its trials in flight, resumed by a fresh process that connects to the same scheduler
+    paused = user(project, cluster, command=sweep + ["--executor", address, "--checkpoint", "sweep.ckpt",
+                                                     "--max-steps", "4"])
+    assert "paused at step 4" in paused and "search of" not in paused
+    resumed = user(project, cluster, command=[sys.executable, "-m", "flowvm", "resume", "sweep.ckpt"])
+    assert resumed[resumed.index("search of 3 trials"):] == table
 
 
 def test_a_worker_with_another_version_of_a_package_refuses_the_fragment(project, cluster, probes):
