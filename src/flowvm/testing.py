@@ -145,8 +145,9 @@ def _scramble_random() -> None:
 def digest(value: Any) -> str:
     """A SHA-256 of value's exact contents: equal digests mean equal values bit for bit (floats by their
     bits, arrays and tensors by dtype, shape and bytes), whatever process or machine computed them.
-    Takes None, bools, numbers, strings, bytes, numpy arrays and scalars, torch tensors, and lists, tuples
-    and dicts of these (a Registers file too)."""
+    Takes None, bools, numbers, strings, bytes, numpy arrays and scalars, torch tensors, lists, tuples
+    and dicts of these (a Registers file too), and objects (by class name) through their ``state_dict()``
+    or, lacking one, their attributes (a fitted model)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -189,6 +190,13 @@ def _feed(h, value: Any) -> None:
             _feed(h, key)
             _feed(h, value[key])
         h.update(b"}")
+    elif callable(getattr(value, "state_dict", None)):
+        h.update(f"object:{type(value).__qualname__}:state_dict".encode())
+        _feed(h, value.state_dict())
+    elif hasattr(value, "__dict__") and not callable(value) and not isinstance(value, type):
+        h.update(f"object:{type(value).__qualname__}:".encode())
+        _feed(h, vars(value))
     else:
         raise TypeError(f"digest: cannot digest a {type(value).__name__}; give it numbers, strings, arrays, "
-                        "tensors, or lists, tuples and dicts of these")
+                        "tensors, lists, tuples and dicts of these, or objects with state_dict() or plain "
+                        "attributes of these")

@@ -14,7 +14,9 @@ from flowvm.pickled import LEGACY_NAMES, STABLE_MODULES
 from flowvm.testing import digest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-DIGESTS = json.loads((FIXTURES / "digests.json").read_text())
+ALL = json.loads((FIXTURES / "digests.json").read_text())
+DIGESTS = {file: info for file, info in ALL.items() if info.get("kind", "pickle") == "pickle"}
+STATES = {file: info for file, info in ALL.items() if info.get("kind") == "state"}
 
 
 @pytest.fixture
@@ -30,7 +32,22 @@ def test_every_bundled_program_has_a_fixture_of_this_release():
 
     mine = {info["program"] for file, info in DIGESTS.items() if info["flowvm"] == flowvm.__version__}
     assert mine == {name for name, _, _ in bundled_programs()}, "run tests/fixtures/make_fixtures.py"
-    assert all((FIXTURES / file).is_file() for file in DIGESTS)
+    states = {info["program"] for file, info in STATES.items() if info["flowvm"] == flowvm.__version__}
+    assert states == mine - {"sweep"}, "run tests/fixtures/make_fixtures.py"
+    assert all((FIXTURES / file).is_file() for file in ALL)
+
+
+@pytest.mark.parametrize("file", sorted(STATES))
+def test_a_state_fixture_loads_into_its_program_built_again_and_finishes_bit_for_bit(file, one_thread):
+    import importlib
+
+    info = STATES[file]
+    module = importlib.import_module(f"flowvm.programs.{info['program']}")
+    drv = flowvm.load_state(FIXTURES / file, module.build(**info["options"]))
+    assert drv.steps == info["saved_at_step"]
+    drv.run()
+    assert digest(dict(drv.registers)) == info["registers"], f"{file} finished differently"
+    assert drv.steps == info["steps"]
 
 
 @pytest.mark.parametrize("file", sorted(DIGESTS))
