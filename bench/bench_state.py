@@ -18,7 +18,8 @@ Timed, each the median of ``--rounds`` rounds (every operation once per round, t
 round, after os.sync() so that an operation does not pay for the last one's writeback), in this process:
 
 - save: ``flowvm.save_state(driver, path)`` (the state collected, SHA-256 hash list on all cores, written by
-  safetensors into a private directory beside the target, fsync, permissions, rename, directory fsync)
+  safetensors into a private directory beside the target, fsync, permissions, rename, directory fsync; the
+  file it replaces is freed by a background thread, which finishes before the next operation starts)
   against ``safetensors.torch.save_file`` of the same tensors followed by an fsync of the file, and
   ``torch.save`` of the same state dicts to an open file followed by flush and fsync;
 - load: ``flowvm.load_state(path, program)`` into a program built beforehand (the file checked, every tensor
@@ -62,6 +63,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import flowvm  # noqa: E402
 from flowvm import CALL, REPEAT, SEQ, Registers  # noqa: E402
+from flowvm.persist import storage  # noqa: E402
 
 SIZES = {  # (full, quick)
     "tensor_floats": (25_000_000, 250_000),  # float32: 100 MB / 1 MB
@@ -205,6 +207,7 @@ def timed_rounds(ops: dict, rounds: int) -> dict:
     for r in range(rounds):
         for label in (list(ops) if r % 2 == 0 else list(ops)[::-1]):
             gc.collect()
+            storage.freed()  # the file the last save replaced is freed (flowvm does it in the background)
             os.sync()  # the last operation's dirty pages go to disk now, not during the next one
             t0 = perf_counter()
             result = ops[label]()

@@ -137,9 +137,11 @@ def rewrite(source, target, edit, key=None):
     edit(meta)
     table = json.loads(meta["flowvm.tensors"])
     tensors = {k: v for k, v in tensors.items() if k in table}
-    meta.pop("flowvm.hmac", None)
-    checksum, mac = statefile.digests(meta, table, statefile.views_of(table, tensors), key)
-    meta["flowvm.sha256"] = checksum.hex()
+    for name in (statefile.MAC, statefile.SHA, statefile.XXH):
+        meta.pop(name, None)
+    name = statefile.SHA if meta.get("flowvm.format") == "1" else statefile.checksum_name(key is not None)
+    checksum, mac = statefile.digests(meta, table, statefile.views_of(table, tensors), key, checksum=name)
+    meta[name] = checksum.hex()
     if mac is not None:
         meta["flowvm.hmac"] = mac.hex()
     save_file(tensors, str(target), metadata=meta)

@@ -173,13 +173,14 @@ def test_a_file_is_read_by_safetensors_alone_and_its_tensors_are_the_registers(t
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         parsed = {k: json.loads(v, parse_constant=strict) for k, v in meta.items() if k.startswith("flowvm.")
-                  and k not in ("flowvm.sha256", "flowvm.hmac")}
+                  and k not in ("flowvm.sha256", "flowvm.xxh3", "flowvm.hmac")}
         assert torch.equal(f.get_tensor("registers/w"), reg["w"])
         assert np.array_equal(f.get_tensor("registers/a").numpy(), reg["a"])
         assert torch.equal(f.get_tensor("registers/pair/0"), reg["pair"][0])
     with safe_open(str(path), framework="np") as f:
         assert np.array_equal(f.get_tensor("registers/a"), reg["a"])
-    assert parsed["flowvm.header"]["steps"] == 1 and parsed["flowvm.format"] == 1
+    assert parsed["flowvm.header"]["steps"] == 1 and parsed["flowvm.format"] == 2
+    assert len(meta["flowvm.xxh3"]) == 32 and "flowvm.sha256" not in meta  # XXH3-128, unsigned
     assert dict(parsed["flowvm.registers"])["n"] == 3
     assert parsed["flowvm.program"]["elements"][0] == ["", "SEQ", 2]
     assert parsed["flowvm.tensors"]["registers/w"] == {"kind": "torch", "dtype": "float32", "shape": [3, 4]}

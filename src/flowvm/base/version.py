@@ -1,3 +1,3 @@
 """The flowvm release (setuptools reads it from here, and saved runs record it)."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

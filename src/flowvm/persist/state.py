@@ -14,7 +14,8 @@ everything else as JSON in the file's metadata (all values are strings holding J
     flowvm.run          step count, done, result, the frames (each: element path, kind, counters), the
                         value in transit, the listing's position marks
     flowvm.environment  the global random states and the settings the run resumes with
-    flowvm.sha256       the checksum; flowvm.hmac: the signature (with key=)
+    flowvm.xxh3         the checksum of an unsigned file; a signed one (key=) has flowvm.sha256 and
+                        flowvm.hmac, the signature, instead
 
 ``load_state(path, program)`` checks the file (readable by safetensors, flowvm's metadata, the format, the
 checksum, then with a key the signature), compares ``program`` (built again from code) with the saved
@@ -22,9 +23,9 @@ structure, and only then restores: the objects' states into the program's own ob
 frames (elements found by path in ``program``), the random states and settings (set at the first step, as for
 every copy of a run).  It never unpickles, imports or calls anything named in the file.
 
-The checksum is a SHA-256 of the metadata (but the checksum and signature) and of the SHA-256 of every 4 MiB
-piece of every tensor's bytes, in name order (a hash list, so that the pieces are hashed on every core); with
-a key, an HMAC-SHA256 of the same bytes.  Loading copies each tensor out of the mapped file into memory of its
+The checksum is a hash of the metadata (but the checksum and signature) and of the hashes of every 4 MiB
+piece of every tensor's bytes, in name order (a hash list): XXH3-128 for an unsigned file, which detects
+corruption at memory speed; SHA-256 and an HMAC-SHA256 of the same bytes for a signed one (see statefile).  Loading copies each tensor out of the mapped file into memory of its
 own and checks the copy: what is restored is what was checked.
 """
 
@@ -49,7 +50,7 @@ from ..program.elements import WEAVE, Element
 from ..program.paths import format_path, get, parse_path, walk
 from ..program.printer import lines
 from .checkpoint import _key_bytes
-from .statefile import FORMAT, MAC, SUM, digests, read_state, views_of, write
+from .statefile import FORMAT, MAC, checksum_name, digests, read_state, views_of, write
 from .stateobjects import check_program_objects, encode_object, restore_object, roots
 from .statedecoder import Decoder
 from .statevalues import Encoder, Refused
@@ -84,7 +85,7 @@ def save_state(driver, path: str | os.PathLike, key: bytes | str | None = None, 
     key = _key_bytes(key)
     metadata, enc = collect(driver, path, key is not None, meta)
     checksum, mac = digests(metadata, enc.table, views_of(enc.table, enc.data), key)
-    metadata[SUM] = checksum.hex()
+    metadata[checksum_name(key is not None)] = checksum.hex()
     if mac is not None:
         metadata[MAC] = mac.hex()
     write(path, enc.table, enc.data, metadata)

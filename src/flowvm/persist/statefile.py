@@ -2,10 +2,14 @@
 reading one back with its checks, in order: safetensors can read it, it has flowvm's metadata, its format,
 its tensors are those its table lists (dtype and shape), the checksum, then the signature.
 
-The checksum is a SHA-256 of the metadata (but the checksum and the signature themselves) and of the SHA-256s
-of every 4 MiB piece of every tensor's bytes, in name order: a hash list, so that the pieces are hashed on
-every core, while a save has yet to write (the checksum goes in the header safetensors writes first) and while
-a load copies the next pieces.  With a key, an HMAC-SHA256 of the same bytes signs the file.  A load copies
+The checksum is a hash of the metadata (but the checksum and the signature themselves) and of the hashes of
+every 4 MiB piece of every tensor's bytes, in name order: a hash list, so that the pieces are hashed on every
+core, while a save has yet to write (the checksum goes in the header safetensors writes first) and while a load
+copies the next pieces.  An unsigned file (format 2) uses XXH3-128 (``flowvm.xxh3``): it detects corruption
+(truncation, flipped bits) at memory speed, and an unsigned checksum of any kind proves nothing against
+someone who rewrites the file, who can compute it again.  A signed file uses SHA-256 (``flowvm.sha256``) and
+an HMAC-SHA256 of the same bytes (``flowvm.hmac``), which only the key's holders can compute.  Format 1 files
+(flowvm 0.2) hold the SHA-256 checksum; they load as before.  A load copies
 every tensor out of the mapped file into memory of its own (allocated as the run's own tensors and arrays
 were: the alignment of the data can change the last bits of some kernels' results) and checks the copy, so
 that what is restored is what was checked, whatever happens to the file afterwards.
@@ -37,9 +41,9 @@ from .fileformat import Digests
 from .pickler import storage_bytes
 from .statevalues import numpy_dtype, torch_dtypes
 
-FORMAT = 1
+FORMAT = 2
 PIECE = 4 << 20  # bytes hashed as one piece of the hash list
-SUM, MAC = "flowvm.sha256", "flowvm.hmac"
+SHA, XXH, MAC = "flowvm.sha256", "flowvm.xxh3", "flowvm.hmac"
 PARTS = ("header", "program", "tensors", "objects", "registers", "run", "environment")
 
 
@@ -88,28 +92,47 @@ def _pieces(view: memoryview) -> list:
     return [view[i: i + PIECE] for i in range(0, len(view), PIECE)] or [view]
 
 
-def _hash(view) -> bytes:
+def checksum_name(signed: bool) -> str:
+    """The metadata key of the checksum a new file gets: SHA-256 when signed, else XXH3-128."""
+    return SHA if signed else XXH
+
+
+def piece_hash(checksum: str):
+    """The function hashing one piece of a tensor's bytes for the checksum named checksum."""
+    if checksum == SHA:
+        return _sha256
+    import xxhash
+
+    return xxhash.xxh3_128_digest
+
+
+def _sha256(view) -> bytes:
     return hashlib.sha256(view).digest()
 
 
-def digests(metadata: dict, table: dict, views: dict, key: bytes | None, hashed: dict | None = None):
+def digests(metadata: dict, table: dict, views: dict, key: bytes | None, hashed: dict | None = None,
+            checksum: str | None = None):
     """(checksum, signature or None) of the metadata and the tensors' bytes (views: name -> bytes;
-    hashed: name -> their pieces' SHA-256s, when already computed)."""
+    hashed: name -> their pieces' hashes, when already computed); checksum: its name (SHA or XXH; by
+    default the one checksum_name gives)."""
+    checksum = checksum or checksum_name(key is not None)
     if hashed is None:
-        hashed = {}
+        one = piece_hash(checksum)
         total = sum(len(v) for v in views.values())
-        if total >= 2 * PIECE and (os.cpu_count() or 1) > 1:
+        if checksum == SHA and total >= 2 * PIECE and (os.cpu_count() or 1) > 1:
             with ThreadPoolExecutor(min(os.cpu_count() or 1, 16), thread_name_prefix="flowvm-state-hash") as pool:
-                futures = {n: [pool.submit(_hash, p) for p in _pieces(v)] for n, v in views.items()}
+                futures = {n: [pool.submit(one, p) for p in _pieces(v)] for n, v in views.items()}
                 hashed = {n: [f.result() for f in fs] for n, fs in futures.items()}
-        else:
-            hashed = {n: [_hash(p) for p in _pieces(v)] for n, v in views.items()}
+        else:  # XXH3 hashes at memory speed: threads would cost more than they save
+            hashed = {n: [one(p) for p in _pieces(v)] for n, v in views.items()}
     parts = [b"flowvm-state\0"]
     for name in sorted(metadata):
-        if name not in (SUM, MAC):
+        if name not in (SHA, XXH, MAC):
             parts += [_framed(name), _framed(metadata[name])]
     for name in sorted(table):
         parts += [_framed(name), struct.pack(">Q", len(views[name])), *hashed[name]]
+    if checksum == XXH:
+        return piece_hash(XXH)(b"".join(parts)), None
     digests = Digests(key, threaded=False)
     digests.update(b"".join(parts))
     return digests.result()
@@ -169,7 +192,8 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
         raise CheckpointError(path, f"written in state format {fmt}; this flowvm (version {__version__}) reads "
                                     f"formats up to {FORMAT}: upgrade flowvm to load it")
     missing = [p for p in PARTS if f"flowvm.{p}" not in metadata]
-    if missing or SUM not in metadata:
+    checksum = SHA if SHA in metadata or int(fmt) == 1 else XXH
+    if missing or checksum not in metadata:
         raise CheckpointError(path, f"corrupted: the metadata lacks {', '.join(missing) or 'the checksum'}")
     try:
         table = json.loads(metadata["flowvm.tensors"])
@@ -180,9 +204,9 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
         raise CheckpointError(path, "corrupted: the tensor table cannot be read") from None
     if set(table) != names:
         raise CheckpointError(path, "corrupted: the file's tensors are not those its tensor table lists")
-    tensors, views, hashed = _read_tensors(name, path, table, keep)
-    checksum, mac = digests(metadata, table, views, key, hashed)
-    if not hmac.compare_digest(checksum.hex(), metadata[SUM]):
+    tensors, views, hashed = _read_tensors(name, path, table, keep, piece_hash(checksum))
+    found, mac = digests(metadata, table, views, key, hashed, checksum)
+    if not hmac.compare_digest(found.hex(), metadata[checksum]):
         raise CheckpointError(path, "corrupted: checksum mismatch")
     try:
         header = json.loads(metadata["flowvm.header"])
@@ -195,7 +219,7 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
     if key is not None:
         if not signed:
             raise CheckpointError(path, "refused: the file is not signed, but a key was given")
-        if not hmac.compare_digest(mac.hex(), metadata.get(MAC, "")):
+        if mac is None or not hmac.compare_digest(mac.hex(), metadata.get(MAC, "")):
             raise CheckpointError(path, "refused: the signature does not match (tampered file or wrong key)")
     elif signed and verify:
         raise CheckpointError(path, "refused: the file is signed; give its key (key=...), or pass verify=False "
@@ -203,9 +227,11 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
     return Loaded(header, parts, table, tensors)
 
 
-def _read_tensors(name: str, path: Any, table: dict, keep: bool):
-    """(tensors as restored or None, their byte views, their pieces' SHA-256s), each tensor copied piece by
-    piece out of the mapped file into its own memory while worker threads hash the pieces copied so far."""
+def _read_tensors(name: str, path: Any, table: dict, keep: bool, one):
+    """(tensors as restored or None, their byte views, their pieces' hashes by one), each tensor read piece by
+    piece from the file into memory of its own by worker threads (``preadv``: no page faults on a mapping of
+    the file, and the new memory's first-touch faults on every core), each piece hashed by the thread that
+    read it."""
     from safetensors import safe_open
 
     torch_file = any(info["kind"] == "torch" for info in table.values())
@@ -217,13 +243,13 @@ def _read_tensors(name: str, path: Any, table: dict, keep: bool):
     import numpy as np
 
     out, views, futures = {}, {}, {}
-    workers = min(os.cpu_count() or 1, 16)
-    with ThreadPoolExecutor(workers, thread_name_prefix="flowvm-state-hash") as pool, \
-            safe_open(name, framework="pt" if torch_file else "np") as f:
+    with ThreadPoolExecutor(min(os.cpu_count() or 1, 16), thread_name_prefix="flowvm-state-read") as pool, \
+            safe_open(name, framework="pt" if torch_file else "np") as f, open(name, "rb", buffering=0) as raw:
+        base, offsets = _data_offsets(raw)  # safe_open has checked the header
         for tname in sorted(table):
             info = table[tname]
             try:
-                src = f.get_tensor(tname)
+                src = f.get_tensor(tname)  # a view of the mapped file: its dtype and shape, no bytes read
                 expect = _stored(info, torch_file)
                 got = (str(src.dtype).removeprefix("torch.") if torch_file else src.dtype.str, list(src.shape))
                 if torch_file and info["kind"] == "numpy" and not info.get("raw"):
@@ -236,19 +262,44 @@ def _read_tensors(name: str, path: Any, table: dict, keep: bool):
             if keep:
                 own = torch.empty_like(src, memory_format=torch.contiguous_format) if torch_file \
                     else np.empty_like(src, order="C")
-                view, source = _bytes_of(own), _bytes_of(src)
-                pieces = []
-                for i in range(0, len(view), PIECE):
-                    view[i: i + PIECE] = source[i: i + PIECE]
-                    pieces.append(pool.submit(_hash, view[i: i + PIECE]))
-                futures[tname] = pieces or [pool.submit(_hash, view)]
-                out[tname] = _final(own, info, torch_file)
+                view = _bytes_of(own)
+                begin, end = offsets[tname]
+                if end - begin != len(view):
+                    raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} has {end - begin} bytes in the "
+                                                f"file, {len(view)} by its dtype and shape")
+                futures[tname] = [pool.submit(_read_piece, raw, view[i: i + PIECE], base + begin + i, one)
+                                  for i in range(0, len(view), PIECE)] or [pool.submit(one, view)]
+                out[tname] = own
             else:
                 view = _bytes_of(src)
-                futures[tname] = [pool.submit(_hash, p) for p in _pieces(view)]
+                futures[tname] = [pool.submit(one, p) for p in _pieces(view)]
             views[tname] = view
-        hashed = {n: [x.result() for x in fs] for n, fs in futures.items()}
-    return (out if keep else None), views, hashed
+        try:
+            hashed = {n: [x.result() for x in fs] for n, fs in futures.items()}
+        except EOFError:
+            raise CheckpointError(path, "truncated: the file ends inside a tensor's data") from None
+    if not keep:
+        return None, views, hashed
+    return {n: _final(own, table[n], torch_file) for n, own in out.items()}, views, hashed  # once read
+
+
+def _read_piece(raw, view: memoryview, offset: int, one) -> bytes:
+    """Read len(view) bytes of raw at offset into view (EOFError if the file ends first); their hash."""
+    fd, done = raw.fileno(), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if not n:
+            raise EOFError
+        done += n
+    return one(view)
+
+
+def _data_offsets(raw) -> tuple[int, dict]:
+    """(where the data starts, name -> [begin, end] within it) from a safetensors file's header."""
+    raw.seek(0)
+    (size,) = struct.unpack("<Q", raw.read(8))
+    header = json.loads(raw.read(size))
+    return 8 + size, {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
 
 
 def _stored(info: dict, torch_file: bool) -> tuple:
