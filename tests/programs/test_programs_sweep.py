@@ -109,3 +109,34 @@ def test_sweep_listing():
         "    best = best_of([trial_0, trial_1])",
         "    best_accuracy = accuracy_of(best)",
     ])
+
+
+def test_the_built_in_sweep_trains_on_the_users_data_from_a_file_through_the_command_line(tmp_path):
+    import numpy as np
+    from sklearn.datasets import load_iris
+    from sklearn.preprocessing import StandardScaler
+
+    from toy import flowvm_cmd
+
+    iris = load_iris()
+    x = StandardScaler().fit_transform(iris.data)
+    rows = np.column_stack([iris.target, x])
+    np.savetxt(tmp_path / "iris.csv", rows, delimiter=",", header="species,a,b,c,d", comments="", fmt="%.6f")
+    done = flowvm_cmd("run", "sweep", "--data", tmp_path / "iris.csv", "--set", "label='species'", "--set",
+                      "val_fraction=0.25", "--set", "trials=2", "--set", "epochs=15", "--checkpoint",
+                      tmp_path / "sweep.ckpt", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    drv = flowvm.load(tmp_path / "sweep.ckpt")
+    config = drv.registers["config_0"]
+    assert config["data"] == str(tmp_path / "iris.csv") and "samples" not in config
+    # each trial is the mlp program on that file, as built and run here
+    alone = in_process(config)
+    assert drv.registers["trial_0"]["accuracy"] == alone["accuracy"] and alone["held_out"] == 38
+    assert drv.registers["best_accuracy"] >= 0.85
+
+
+def test_the_built_in_sweep_refuses_bad_data_before_any_trial_starts():
+    import numpy as np
+
+    with pytest.raises(flowvm.DataError, match="label"):
+        sweep.build(data=(np.zeros((10, 2)), np.arange(10) * 0.5), trials=2)

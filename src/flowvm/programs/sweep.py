@@ -12,6 +12,10 @@ flight submits them again when resumed: trials are deterministic, so the
 registers come out the same.
 
     flowvm run sweep --set trials=6 --set epochs=8
+    flowvm run sweep --data iris.csv --set label=species --set val_fraction=0.25
+
+With ``data`` (and the mlp program's ``label`` and ``val_fraction``), every trial trains on it instead of the
+spirals.  ``search`` (below, and ``flowvm sweep``) searches over any program's options.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from flowvm.programs import check_options
 SHOW = ["best_accuracy"]
 
 
-def draw_configs(trials: int, epochs: int, samples: int, seed: int) -> list[dict]:
-    """Random-search configurations, alternating Adam and SGD."""
+def draw_configs(trials: int, epochs: int, samples: int, seed: int, data: dict | None = None) -> list[dict]:
+    """Random-search configurations, alternating Adam and SGD; data: the mlp options that choose the data
+    (``data``, ``label``, ``val_fraction``), the same in every trial (then samples is not used)."""
     rng = np.random.default_rng(seed)
     configs = []
     for i in range(trials):
@@ -36,7 +41,7 @@ def draw_configs(trials: int, epochs: int, samples: int, seed: int) -> list[dict
         lr = float(math.exp(rng.uniform(math.log(low), math.log(high))))
         hidden = int(rng.choice([16, 32, 64]))
         configs.append({"optimizer": optimizer, "lr": round(lr, 5), "hidden": hidden, "epochs": epochs,
-                        "samples": samples, "seed": seed})
+                        **(data if data else {"samples": samples}), "seed": seed})
     return configs
 
 
@@ -68,12 +73,20 @@ def accuracy_of(result: dict) -> float:
     return result["accuracy"]
 
 
-def build(trials: int = 4, epochs: int = 5, samples: int = 3000, executor: str | None = None, seed: int = 0):
-    """Random search over `trials` MLP configurations trained for `epochs` epochs, all trials in parallel."""
+def build(trials: int = 4, epochs: int = 5, samples: int = 3000, executor: str | None = None, seed: int = 0,
+          data=None, label=None, val_fraction=None):
+    """Random search over `trials` MLP configurations trained for `epochs` epochs, all trials in parallel, on
+    spirals or on data (the mlp program's data, label and val_fraction options, given to every trial)."""
     check_options("sweep", counts=dict(trials=trials, epochs=epochs, samples=samples))
     import torch  # noqa: F401  (the trials train torch models: without torch the program is refused at once)
 
-    configs = draw_configs(trials, epochs, samples, seed)
+    chosen = None
+    if data is not None:
+        from flowvm.programs import mlp
+
+        mlp.build(epochs=1, data=data, label=label, val_fraction=val_fraction)  # bad data: refused here, at once
+        chosen = {"data": data, "label": label, "val_fraction": val_fraction}
+    configs = draw_configs(trials, epochs, samples, seed, chosen)
     reg = Registers({f"config_{i}": c for i, c in enumerate(configs)})
     results = [reg(f"trial_{i}") for i in range(trials)]
     return SEQ([
