@@ -562,3 +562,26 @@ def test_a_url_target(tmp_path):
     resumed = flowvm.load_state("memory://state/run.safetensors", sp.build_constant())
     resumed.run()
     assert resumed.registers["total"] == 4.0
+
+
+@pytest.mark.parametrize("positional", [True, False])
+def test_tensors_of_many_pieces_load_exactly_with_and_without_positional_reads(tmp_path, monkeypatch, positional):
+    from flowvm.persist import statefile
+
+    if not positional:
+        monkeypatch.setattr(statefile, "_preadv", None)  # as where os.preadv is missing
+    reg = Registers(big=torch.randn(3_000_001), arr=np.random.default_rng(1).standard_normal((1000, 1500)), n=0)
+    prog = REPEAT(3, CALL(lambda n: n + 1, reg("n"), store_to=reg("n")))
+    drv = prog.start()
+    drv.step()
+    flowvm.save_state(drv, tmp_path / "big.safetensors")
+    assert os.path.getsize(tmp_path / "big.safetensors") > 3 * statefile.PIECE
+    big, arr = reg["big"].clone(), reg["arr"].copy()  # (the loaded run shares the program's register file)
+    reg["big"], reg["arr"] = torch.zeros(1), None
+    again = flowvm.load_state(tmp_path / "big.safetensors", prog)
+    assert torch.equal(again.registers["big"], big) and np.array_equal(again.registers["arr"], arr)
+    data = bytearray((tmp_path / "big.safetensors").read_bytes())
+    data[-5_000_000] ^= 0x10  # a flipped bit deep inside a tensor's pieces
+    (tmp_path / "flipped.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        flowvm.load_state(tmp_path / "flipped.safetensors", prog)

@@ -30,6 +30,7 @@ import os
 import struct
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -287,11 +288,20 @@ def _read_piece(raw, view: memoryview, offset: int, one) -> bytes:
     """Read len(view) bytes of raw at offset into view (EOFError if the file ends first); their hash."""
     fd, done = raw.fileno(), 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        if _preadv is not None:
+            n = _preadv(fd, [view[done:]], offset + done)
+        else:  # no positional reads (Windows): one reader at a time
+            with _seeking:
+                raw.seek(offset + done)
+                n = raw.readinto(view[done:])
         if not n:
             raise EOFError
         done += n
     return one(view)
+
+
+_preadv = getattr(os, "preadv", None)
+_seeking = threading.Lock()
 
 
 def _data_offsets(raw) -> tuple[int, dict]:
