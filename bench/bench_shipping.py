@@ -31,6 +31,7 @@ from pathlib import Path
 from time import perf_counter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "src"))  # sections 2a and 2b measure this checkout's flowvm, installed or not
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "shipping.json"
 BEFORE_SHIPPING = "e923619"  # the last commit whose SPAWNs pickled every fragment by reference
 
