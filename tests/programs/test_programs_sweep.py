@@ -124,7 +124,7 @@ def test_the_built_in_sweep_trains_on_the_users_data_from_a_file_through_the_com
     np.savetxt(tmp_path / "iris.csv", rows, delimiter=",", header="species,a,b,c,d", comments="", fmt="%.6f")
     done = flowvm_cmd("run", "sweep", "--data", tmp_path / "iris.csv", "--set", "label='species'", "--set",
                       "val_fraction=0.25", "--set", "trials=2", "--set", "epochs=15", "--checkpoint",
-                      tmp_path / "sweep.ckpt", cwd=tmp_path)
+                      tmp_path / "sweep.ckpt", "--output", tmp_path / "best.pt", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     drv = flowvm.load(tmp_path / "sweep.ckpt")
     config = drv.registers["config_0"]
@@ -133,6 +133,21 @@ def test_the_built_in_sweep_trains_on_the_users_data_from_a_file_through_the_com
     alone = in_process(config)
     assert drv.registers["trial_0"]["accuracy"] == alone["accuracy"] and alone["held_out"] == 38
     assert drv.registers["best_accuracy"] >= 0.85
+    net = torch.load(tmp_path / "best.pt", weights_only=False)  # the best trial's network
+    assert isinstance(net, mlp.Classifier) and float((net.predict(x) == iris.target).mean()) >= 0.85
+
+
+def test_a_built_in_sweep_result_of_flowvm_0_2_gives_its_best_network():
+    from pathlib import Path
+
+    drv = flowvm.load(Path(__file__).resolve().parents[1] / "fixtures" / "sweep-0.2.0.ckpt")
+    drv.run()
+    best = {k: v for k, v in drv.registers["best"].items() if k != "model"}  # as that release's trials kept it
+    net = sweep.model({"best": best})
+    assert isinstance(net, mlp.Classifier) and not net.training
+    x, y = mlp.spirals(300, seed=7)
+    assert net.predict(x).shape == (300,)
+    assert all(torch.equal(p, w) for p, w in zip(net.parameters(), drv.registers["best"]["weights"]))
 
 
 def test_the_built_in_sweep_refuses_bad_data_before_any_trial_starts():

@@ -60,7 +60,7 @@ def run_trial(config: dict) -> dict:
         torch.set_num_threads(threads)
     regs = drv.registers
     return {"config": config, "accuracy": regs["accuracy"], "loss": regs["loss"], "weights": regs["weights"],
-            "steps": drv.steps}
+            "model": regs["model"], "steps": drv.steps}
 
 
 def best_of(results: list[dict]) -> dict:
@@ -265,9 +265,22 @@ def search(target: str, space: "dict | list[str]", trials: int = 8, metric: str 
 
 
 def model(registers):
-    """The best trial's fitted model (a search), or the best MLP's weights (the built-in sweep)."""
+    """The best trial's fitted model: its program's ``model(registers)`` (a search), or the best MLP as a
+    ``torch.nn.Module`` with ``predict`` and ``predict_proba`` (the built-in sweep)."""
     best = registers["best"]
-    return best.get("model") if "model" in best else best.get("weights")
+    fitted = best.get("model")
+    if fitted is None and "weights" in best:  # a built-in sweep saved by flowvm 0.2 kept the weights only
+        import torch
+
+        from flowvm.programs import mlp
+
+        weights = best["weights"]  # [W0, b0, W1, b1, ...], Wi: outputs x inputs
+        network = mlp.Classifier([weights[0].shape[1]] + [w.shape[0] for w in weights[0::2]])
+        with torch.no_grad():
+            for parameter, value in zip(network.parameters(), weights):
+                parameter.copy_(value)
+        return network.eval()
+    return fitted.module() if callable(getattr(fitted, "module", None)) else fitted
 
 
 def search_report(registers) -> str:
