@@ -25,6 +25,8 @@ FLOWVM_ROOT = str(Path(flowvm.__file__).resolve().parent.parent)  # holds flowvm
 MYPKG = {
     "mypkg/__init__.py": "from .maths import Point, scale\n",
     "mypkg/maths.py": """
+        import enum
+
         import numpy as np
 
         FACTOR = 3
@@ -33,6 +35,11 @@ MYPKG = {
         class Point:
             def __init__(self, x):
                 self.x = x
+
+
+        class Mode(enum.Enum):
+            FAST = 1
+            SLOW = 2
 
 
         def scale(x):
@@ -53,7 +60,7 @@ TRAIN = """
     def trial(i, seconds=0.0):
         time.sleep(seconds)
         return {"value": mypkg.scale([i, i + 1]).sum() + 0.5, "point": mypkg.Point(i), "cwd": os.getcwd(),
-                "has_code": [importlib.util.find_spec(m) is not None for m in ("mypkg", "train")]}
+                "code": [getattr(importlib.util.find_spec(m), "origin", None) for m in ("mypkg", "train")]}
 
 
     def probe(marker):
@@ -63,11 +70,12 @@ TRAIN = """
         return flowvm_probe.VERSION
 
 
-    def lazy(x):
+    def lazy(x, mode):
         import lazyhelp  # a module of the working directory, imported by no one in the parent
-        from mypkg.maths import scale
+        from mypkg.maths import Mode, scale
 
-        return {"value": lazyhelp.twice(float(scale(x))), "loaded": "lazyhelp" in sys.modules}
+        return {"value": lazyhelp.twice(float(scale(x))), "loaded": "lazyhelp" in sys.modules,
+                "same_enum": mode is Mode.FAST}  # the register's enum member is the module's own
 
 
     def has_module(name):
@@ -136,8 +144,8 @@ DRIVE = """
             print(json.dumps(out))
         elif mode == "lazy":
             train.connect()
-            reg = Registers(x=2)
-            SPAWN(CALL(train.lazy, reg("x"), store_to=reg("y")), executor="cluster").start().run()
+            reg = Registers(x=2, mode=train.mypkg.maths.Mode.FAST)
+            SPAWN(CALL(train.lazy, reg("x"), reg("mode"), store_to=reg("y")), executor="cluster").start().run()
             SPAWN(CALL(train.has_module, "lazyhelp", store_to=reg("after")), executor="cluster").start().run()
             print(json.dumps({"y": reg["y"], "after": reg["after"], "parent": "lazyhelp" in sys.modules}))
         elif mode == "compiled":
@@ -301,8 +309,11 @@ def test_code_of_a_script_and_a_local_package_runs_on_a_worker_that_lacks_it(pro
         assert remote[name]["value"] == local[name]["value"] == 3 * (2 * int(name[1]) + 1) + 0.5
         # an instance of the shipped class comes back as the parent's own class
         assert remote[name]["point"] == local[name]["point"] == ["mypkg.maths", True, int(name[1])]
-        assert local[name]["cwd"] == str(project) and local[name]["has_code"] == [True, True]
-        assert remote[name]["cwd"] == str(cluster[1]) and remote[name]["has_code"] == [False, False]
+        assert local[name]["cwd"] == str(project)
+        assert local[name]["code"] == [str(project / "mypkg" / "__init__.py"), str(project / "train.py")]
+        # the worker has neither: train's functions came by value, the package mypkg (a module that trial
+        # uses as a global) as source, imported from there while the fragment ran
+        assert remote[name]["cwd"] == str(cluster[1]) and remote[name]["code"] == ["<shipped mypkg>", None]
 
 
 def test_a_sweep_of_a_program_file_on_the_cluster_equals_the_local_pool(project, cluster):
@@ -347,7 +358,8 @@ def test_equal_versions_run_without_a_word(project, cluster, probes):
 
 def test_local_modules_imported_inside_a_shipped_function_come_as_source(project, cluster):
     out = json.loads(user(project, cluster, "lazy").splitlines()[-1])
-    assert out == {"y": {"value": 12.0, "loaded": True}, "after": False, "parent": False}  # forgotten after
+    assert out == {"y": {"value": 12.0, "loaded": True, "same_enum": True}, "after": False,
+                   "parent": False}  # forgotten after the fragment
 
 
 FASTBITS = r"""

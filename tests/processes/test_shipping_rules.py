@@ -73,19 +73,21 @@ def test_warn_mode_downgrades_differences_but_not_missing_code():
     assert len(warned) == 2 and any("flowvm is 0.0.1" in w for w in warned)
 
 
-def test_another_python_minor_version_is_refused():
+def test_another_python_minor_version_is_refused_even_in_warn_mode():
     major, minor = sys.version_info[:2]
-    refusals, _ = shipping.check(json.dumps(manifest_with(python=f"{major}.{minor + 1}.0")))
-    assert [err.package for err in refusals] == ["python"] and platform.python_version() in str(refusals[0])
+    for mode in ("error", "warn"):
+        refusals, warned = shipping.check(json.dumps(manifest_with(python=f"{major}.{minor + 1}.0", mode=mode)))
+        assert [err.package for err in refusals] == ["python"] and platform.python_version() in str(refusals[0])
+        assert warned == []
 
 
-def test_the_by_value_registry_is_set_back_even_when_pickling_fails():
+def test_shipping_leaves_cloudpickles_process_wide_registry_alone():
     before = cloudpickle.list_registry_pickle_by_value()
-    with pytest.raises(RuntimeError):
-        with shipping.by_value():
-            assert __name__ in cloudpickle.list_registry_pickle_by_value()
-            raise RuntimeError("boom")
-    assert cloudpickle.list_registry_pickle_by_value() == before
+    reg = Registers(x=1)
+    manifest, payload = job.shipped_payload(CALL(triple, reg("x"), store_to=reg("y")), reg, ["x"], b"n", "error")
+    assert cloudpickle.list_registry_pickle_by_value() == before == set()
+    assert len(cloudpickle.dumps(triple)) < 100  # another pickler, meanwhile or after, still writes it by name
+    assert f"{__name__}".encode() not in payload or b"triple" in payload
 
 
 def test_a_payload_notes_what_the_fragment_uses_by_name():
@@ -111,13 +113,13 @@ def test_a_module_the_worker_cannot_import_is_named():
 
 def test_the_default_pool_never_ships_and_another_executor_always_does(monkeypatch):
     calls = []
-    real = shipping.by_value
+    real = job.shipped_payload
 
-    def counting():
+    def counting(*args):
         calls.append(1)
-        return real()
+        return real(*args)
 
-    monkeypatch.setattr(shipping, "by_value", counting)
+    monkeypatch.setattr(job, "shipped_payload", counting)
     reg = Registers(x=2)
     assert SPAWN(CALL(triple, reg("x"), store_to=reg("y"))).start().run() == 6
     assert calls == []
@@ -150,3 +152,140 @@ def test_sources_of_a_local_package_serve_its_imports_in_a_worker(tmp_path, monk
 
         assert shippedpkg.answer() == 42
     assert "shippedpkg" not in sys.modules and "shippedpkg.sub.deep" not in sys.modules
+
+
+# ------------------------------------------------------------------ a worker without the code: a fresh process
+FLOWVM_ROOT = str(__import__("pathlib").Path(flowvm.__file__).resolve().parent.parent)
+WORKER = """
+import sys
+from flowvm.processes import job
+manifest, payload = open(sys.argv[1]).read(), open(sys.argv[2], "rb").read()
+outcome = job.decode_outcome(job.run_shipped(manifest, payload))
+print(repr(outcome[1]) if outcome[0] == "ok" else "error: " + str(outcome[1]))
+"""
+
+
+def in_a_worker(tmp_path, manifest: str, payload: bytes) -> str:
+    """What a worker whose path holds flowvm only (not tmp_path's code) makes of a shipped fragment."""
+    import os
+    import subprocess
+
+    (tmp_path / "m.json").write_text(manifest)
+    (tmp_path / "p.bin").write_bytes(payload)
+    elsewhere = tmp_path / "worker"
+    elsewhere.mkdir(exist_ok=True)
+    done = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path / "m.json"), str(tmp_path / "p.bin")],
+                          cwd=elsewhere, env=dict(os.environ, PYTHONPATH=FLOWVM_ROOT), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def project(tmp_path, monkeypatch, files: dict):
+    for name, text in files.items():
+        path = tmp_path / "code" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    for name in list(sys.modules):  # forget modules of these names from an earlier test
+        if name.split(".")[0] in {n.split("/")[0].removesuffix(".py") for n in files}:
+            monkeypatch.delitem(sys.modules, name)
+
+
+def test_a_module_used_as_a_global_travels_as_source_not_as_its_whole_namespace(tmp_path, monkeypatch):
+    project(tmp_path, monkeypatch, {
+        "helpers.py": "import threading\nimport numpy as np\nLOCK = threading.Lock()\nBIG = np.zeros(2_000_000)\n"
+                      "def fit(x):\n    with LOCK:\n        return x + BIG.size\n",
+        "user.py": "import helpers as h\ndef run(x):\n    return h.fit(x)\n"})
+    import user
+
+    reg = Registers(x=1)
+    manifest, payload = job.shipped_payload(CALL(user.run, reg("x"), store_to=reg("y")), reg, ["x"], b"n", "error")
+    assert len(payload) < 20_000  # neither the 16 MB array nor the lock is pickled: the module comes as source
+    assert set(json.loads(manifest)["sources"]) == {"helpers"}
+    assert in_a_worker(tmp_path, manifest, payload) == "2000001"
+
+
+def test_relative_imports_in_a_function_body_bring_their_package(tmp_path, monkeypatch):
+    project(tmp_path, monkeypatch, {"relpkg/__init__.py": "", "relpkg/util.py": "def g():\n    return 41\n",
+                                    "relpkg/main.py": "def f():\n    from . import util\n    return util.g() + 1\n"})
+    from relpkg import main
+
+    manifest, payload = job.shipped_payload(CALL(main.f), Registers(), [], b"n", "error")
+    assert sorted(json.loads(manifest)["sources"]) == ["relpkg", "relpkg.main", "relpkg.util"]
+    assert in_a_worker(tmp_path, manifest, payload) == "42"
+
+
+def test_a_file_of_the_users_named_like_a_standard_module_is_local_code(tmp_path, monkeypatch):
+    path = tmp_path / "colorsys.py"
+    path.write_text("def fit(x):\n    return x\n")
+    fake = types.ModuleType("colorsys")
+    fake.__file__ = str(path)
+    monkeypatch.setitem(sys.modules, "colorsys", fake)
+    assert shipping.kind_of("colorsys") == (shipping.LOCAL, str(path.resolve()))
+    monkeypatch.delitem(sys.modules, "colorsys")
+    import colorsys  # the real one
+
+    assert shipping.kind_of("colorsys") == (shipping.STDLIB,)
+    assert colorsys.__file__
+
+
+def test_a_worker_checks_installed_versions_afresh(tmp_path, monkeypatch):
+    wanted = manifest_with(packages={"flowvm-latepkg": "1.0"})
+    refusals, _ = shipping.check(json.dumps(wanted))
+    assert "not installed" in str(refusals[0])
+    info = tmp_path / "flowvm_latepkg-1.0.dist-info"  # installed while the worker runs
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flowvm-latepkg\nVersion: 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert shipping.check(json.dumps(wanted)) == ([], [])
+
+
+def test_distributions_sharing_a_top_level_name_are_told_apart_by_their_files(tmp_path, monkeypatch):
+    for dist, sub in (("nsx_a", "a"), ("nsx_b", "b")):
+        (tmp_path / "nsx").mkdir(exist_ok=True)
+        (tmp_path / "nsx" / f"{sub}.py").write_text("")
+        info = tmp_path / f"{dist}-1.{sub == 'b'}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\n"
+                                       f"Version: 1.{int(sub == 'b')}\n")
+        (info / "RECORD").write_text(f"nsx/{sub}.py,,\n{info.name}/METADATA,,\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(shipping, "_top_dists", None)  # read the distributions again
+    importlib.invalidate_caches()
+    import nsx.a
+    import nsx.b
+
+    assert shipping.kind_of("nsx.a") == (shipping.DIST, "nsx-a")
+    assert shipping.kind_of("nsx.b") == (shipping.DIST, "nsx-b")
+    monkeypatch.setattr(shipping, "_top_dists", None)
+
+
+def test_fragments_carrying_sources_of_one_module_run_one_at_a_time_in_a_worker():
+    import threading
+
+    reg = Registers()
+    manifest, payload = job.shipped_payload(CALL(read_shipmod), reg, [], b"n", "error")
+    results = {}
+
+    def run(value):
+        wanted = dict(json.loads(manifest), sources={"flowvm_shipmod": f"VALUE = {value}\n"})
+        results[value] = job.decode_outcome(job.run_shipped(json.dumps(wanted), payload))[1]
+
+    threads = [threading.Thread(target=run, args=(v,)) for v in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {1: 1, 2: 2, 3: 3}
+    assert "flowvm_shipmod" not in sys.modules
+
+
+def read_shipmod():
+    import time
+
+    import flowvm_shipmod  # served from the fragment's sources only
+
+    time.sleep(0.05)
+    return flowvm_shipmod.VALUE

@@ -6,6 +6,7 @@ the wire format is described there.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import io
 import json
 import os
@@ -38,8 +39,12 @@ class _JobPickler(Pickler):
         return "flowvm.registers" if obj is self._registers else None
 
 
-class _ShippingPickler(_JobPickler, shipping.NotingPickler):
+class _ShippingPickler(_JobPickler, shipping.ShippingPickler):
     """The job pickler for executors whose workers may lack this process's files (see shipping)."""
+
+    def __init__(self, buf, registers: Registers, source_tops=()):
+        shipping.ShippingPickler.__init__(self, buf, protocol=pickle.HIGHEST_PROTOCOL, source_tops=source_tops)
+        self._registers = registers
 
 
 def job_payload(fragment, registers: Registers, names, nonce: bytes | None = None,
@@ -56,9 +61,16 @@ def shipped_payload(fragment, registers: Registers, names, nonce: bytes, mode: s
     """(manifest, payload) for an executor whose workers may not share this process's files: the code that
     no installed distribution holds travels by value, the manifest names the versions the worker checks
     (see shipping)."""
-    with shipping.by_value():
-        payload, pickler = _dump(_ShippingPickler, fragment, registers, names, nonce)
-    return shipping.manifest(pickler.noted, mode, pickler.imported), payload
+    tops: set[str] = set()
+    while True:
+        payload, pickler = _dump(functools.partial(_ShippingPickler, source_tops=tops), fragment, registers,
+                                 names, nonce)
+        new = pickler.needs_source - tops
+        tops |= pickler.needs_source
+        # A package that travels as source must not also travel by value (its classes would come twice, as
+        # two classes): written again, by name, when some of its code went by value.
+        if not new & pickler.valued_tops:
+            return shipping.manifest(pickler.noted, mode, tops), payload
 
 
 def _dump(pickler_class, fragment, registers: Registers, names, nonce: bytes | None):
@@ -122,6 +134,9 @@ def run_job(payload: bytes, timeout: float | None = None) -> bytes:
             raise SpawnError(f"the fragment refers by name to {_missing_name(err)}, which {where} cannot "
                              f"import ({type(err).__name__}: {err}): the code of installed packages travels by name, "
                              "not by value; install the package that provides it on the workers") from err
+        except AttributeError as err:  # a module of that name, without the name: another module or version
+            raise SpawnError(f"the fragment refers by name to something that {where} does not find ({err}): its "
+                             "module there is another one, or another version, than in the parent") from err
         report_start(nonce)  # the parent counts a timeout from here, and leaves started tasks be
         dict.update(registers, shipped)
         drv = Driver(fragment)

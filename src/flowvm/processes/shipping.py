@@ -3,25 +3,33 @@ checks before it runs anything.
 
 Every executor but the default local pool (Dask, a named executor, a user's pool) gets its fragments this way:
 
-- **Code that is no installed distribution travels by value.**  The main script, a program file imported
-  under its name (``flowvm run train.py``), modules from the working directory or any other path outside an
-  installed distribution: each such pure-Python module is registered with cloudpickle's
-  ``register_pickle_by_value`` while the payload is written, so the functions and classes the fragment
-  reaches are written as code and the worker never imports them.
+- **Code that is no installed distribution travels with the fragment.**  The main script, a program file
+  imported under its name (``flowvm run train.py``), modules from the working directory or any other path
+  outside an installed distribution ("local" modules): the functions and classes of theirs that the
+  fragment reaches are written by value (cloudpickle's by-value pickling, decided by this pickler alone:
+  cloudpickle's process-wide registry is never touched), so the worker never imports them.  A local
+  package whose module objects the fragment reaches (``import helpers`` used as a global) or that a shipped
+  function imports in its body travels as source instead, every ``.py`` file of it, and is pickled by name:
+  the worker imports it from those sources while the fragment runs (one such fragment at a time per worker
+  process), then forgets it.  A package never travels both ways: its classes would come twice, as two
+  classes, and ``is``/``isinstance`` would fail.
 - **Installed distributions, the standard library and flowvm travel by reference**: the worker imports
   them.  The payload's manifest (plain JSON, read before anything is unpickled) names the version of every
   distribution the pickle refers to by name (numpy, torch, scikit-learn, a pure-Python package alike), and
-  the Python and flowvm versions.  The worker compares them with its own and refuses the fragment
-  (``SpawnVersionError``, naming the package and both versions) on any difference, or on a distribution it
-  lacks; an executor registered with ``versions="warn"`` runs it anyway and the parent warns
-  (``SpawnVersionWarning``).  Equal versions are what a pickle by name needs: bit-for-bit equal results
+  the Python and flowvm versions.  The worker compares them with its own (read afresh for every fragment)
+  and refuses the fragment (``SpawnVersionError``, naming the package and both versions) on any difference,
+  or on a distribution it lacks; an executor registered with ``versions="warn"`` runs it anyway and the
+  parent warns (``SpawnVersionWarning``), except for another Python minor version, always refused (its
+  bytecode would not load).  Equal versions are what a pickle by name needs: bit-for-bit equal results
   across different numpy or torch versions are not promised even then.
 - **A compiled extension outside any distribution cannot travel**: the manifest names it with its path, and
   a worker that cannot import it refuses the fragment naming it.
 
 A module belongs to a distribution when ``importlib.metadata`` maps its top-level name to one and its file
-lies under that distribution's install location: an editable install (``pip install -e``) of the user's own
-project is therefore shipped by value, as the worker would not have it.
+lies under that distribution's install location (distributions sharing a top-level name, as namespace
+packages do, are told apart by their RECORDs): an editable install (``pip install -e``) of the user's own
+project therefore travels with the fragment, as the worker would not have it.  A module named like a
+standard one is standard only when its file lies in the standard library (a user's ``profile.py`` is local).
 """
 
 from __future__ import annotations
@@ -39,7 +47,6 @@ import sys
 import sysconfig
 import threading
 import types
-from contextlib import contextmanager
 
 import cloudpickle
 
@@ -52,88 +59,105 @@ MODES = ("error", "warn")
 # Kinds of module: how it travels
 STDLIB, FLOWVM, INSTALLED, DIST, LOCAL, COMPILED = "stdlib", "flowvm", "installed", "dist", "local", "compiled"
 
-_lock = threading.Lock()  # cloudpickle's by-value registry is process-wide: one shipping pickle at a time
 _kinds: dict[str, tuple[int, tuple]] = {}  # module name -> (id of the module object, its kind)
 _top_dists: dict[str, list[str]] | None = None
 _versions: dict[str, str | None] = {}
-_local: tuple[int, list] = (-1, [])  # (len(sys.modules) when found, the local modules)
+_dist_files: dict[str, set[str]] = {}
+_running_sources = threading.Lock()  # in a worker: one fragment carrying sources at a time
 
 
-class NotingPickler(Pickler):
-    """flowvm's pickler, noting the modules whose objects it writes by reference (``noted``)."""
+class ShippingPickler(Pickler):
+    """flowvm's pickler, deciding for itself (cloudpickle's process-wide registry is left alone) what
+    travels how, and noting it:
 
-    def __init__(self, *args, **kwargs):
+    - a function or class of a local module (no installed distribution holds it) is written by value,
+      unless its top-level package is in ``source_tops`` (then by name: the worker imports it from the
+      sources that travel with the fragment);
+    - a module object, and a module that a function imports in its body, are written and imported by name:
+      a local one's top-level package goes to ``needs_source``;
+    - ``noted``: every module the pickle refers to by name (for the versions the worker checks);
+      ``valued_tops``: the local packages whose code went by value.
+    """
+
+    def __init__(self, *args, source_tops=(), **kwargs):
         super().__init__(*args, **kwargs)
+        self.source_tops = frozenset(source_tops)
         self.noted: set[str] = set()
-        self.imported: set[str] = set()  # modules that by-value functions import in their bodies
+        self.needs_source: set[str] = set()
+        self.valued_tops: set[str] = set()
 
     def reducer_override(self, obj):
-        reduced = super().reducer_override(obj)
-        note = self.noted.add
         t = type(obj)
+        reduced = NotImplemented
+        if t is types.FunctionType or isinstance(obj, type):
+            top = _local_top(getattr(obj, "__module__", None))
+            if top is not None and top not in self.source_tops and _named_in_module(obj):
+                self.valued_tops.add(top)
+                reduced = self._dynamic_function_reduce(obj) if t is types.FunctionType \
+                    else cloudpickle.cloudpickle._dynamic_class_reduce(obj)
+        if reduced is NotImplemented:
+            reduced = super().reducer_override(obj)
+        note = self.noted.add
         note(t.__module__)
         if t is types.ModuleType:
             note(obj.__name__)
+            self._needs(obj.__name__)
         elif reduced is NotImplemented:  # by name: a class, a function of an importable module, a builtin
             module = getattr(obj, "__module__", None)
             if isinstance(module, str):
                 note(module)
-        elif t is types.FunctionType:  # by value: its imports inside the body are by name
-            for name in _imports_in(obj.__code__):
+        elif t is types.FunctionType:  # by value: the modules it imports in its body are imported by name
+            package = obj.__globals__.get("__package__") or None
+            for name in _imports_in(obj.__code__, package):
                 note(name)
-                self.imported.add(name)
+                self._needs(name)
         return reduced
 
+    def _needs(self, name: str) -> None:
+        top = _local_top(name)
+        if top is not None:
+            self.needs_source.add(top)
 
-def _imports_in(code: types.CodeType):
+
+def _local_top(module: str | None) -> str | None:
+    """The top-level name of module when no installed distribution holds it (and it is no main script)."""
+    if not isinstance(module, str) or module in ("__main__", "__mp_main__"):
+        return None
+    return module.partition(".")[0] if kind_of(module)[0] == LOCAL else None
+
+
+def _named_in_module(obj) -> bool:
+    """Whether obj is what its module's attribute of its qualified name holds (else cloudpickle decides)."""
+    module = sys.modules.get(obj.__module__)
+    found = module
+    for part in getattr(obj, "__qualname__", "<").split("."):
+        found = getattr(found, part, None)
+    return found is obj
+
+
+def _imports_in(code: types.CodeType, package: str | None):
+    """The absolute names of the modules that code imports (relative imports resolved against package)."""
+    level = 0
     for ins in dis.get_instructions(code):
-        if ins.opname == "IMPORT_NAME" and isinstance(ins.argval, str):
-            yield ins.argval
+        if ins.opname == "LOAD_CONST" and isinstance(ins.argval, int):
+            level = ins.argval
+        elif ins.opname == "IMPORT_NAME" and isinstance(ins.argval, str):
+            if level == 0:
+                yield ins.argval
+            elif package:
+                try:
+                    yield importlib.util.resolve_name("." * level + ins.argval, package)
+                except (ImportError, ValueError):
+                    pass
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _imports_in(const)
-
-
-@contextmanager
-def by_value():
-    """While the block runs, every loaded pure-Python module that no installed distribution holds is pickled
-    by value (the process-wide registry is set back afterwards)."""
-    with _lock:
-        before = cloudpickle.list_registry_pickle_by_value()
-        added = []
-        for module in local_modules():
-            if module.__name__ not in before:
-                cloudpickle.register_pickle_by_value(module)
-                added.append(module)
-        try:
-            yield
-        finally:
-            for module in added:
-                try:
-                    cloudpickle.unregister_pickle_by_value(module)
-                except ValueError:  # pragma: no cover - unregistered meanwhile by its owner
-                    pass
-
-
-def local_modules() -> list[types.ModuleType]:
-    """The loaded pure-Python modules that no installed distribution holds (recomputed when a module is
-    imported or removed)."""
-    global _local
-    count = len(sys.modules)
-    if _local[0] != count:
-        found = []
-        for name, module in list(sys.modules.items()):
-            if name not in ("__main__", "__mp_main__") and isinstance(module, types.ModuleType) \
-                    and kind_of(name)[0] == LOCAL:
-                found.append(module)
-        _local = (count, found)
-    return _local[1]
+            yield from _imports_in(const, package)
 
 
 def warm() -> None:
-    """Learn how the loaded modules travel now, in a background thread, so that the first fragment sent to
-    another executor does not wait for it (reading every distribution's metadata takes a while)."""
-    threading.Thread(target=local_modules, name="flowvm-shipping-warm", daemon=True).start()
+    """Read every installed distribution's metadata now, in a background thread, so that the first fragment
+    sent to another executor does not wait for it."""
+    threading.Thread(target=_dists_of, args=("",), name="flowvm-shipping-warm", daemon=True).start()
 
 
 def kind_of(name: str) -> tuple:
@@ -150,23 +174,21 @@ def kind_of(name: str) -> tuple:
 
 def _kind(name: str, module) -> tuple:
     top = name.partition(".")[0]
-    if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins":
+    if top in sys.builtin_module_names or top == "builtins":
         return (STDLIB,)
     if top in ("flowvm", "flowvm_cli"):
         return (FLOWVM,)
     if module is None:
         module = sys.modules.get(top)
     path = _file_of(module) if module is not None else _found_file(top)
+    if top in sys.stdlib_module_names and (path is None or any(_under(path, p) for p in _stdlib_paths())):
+        return (STDLIB,)  # (a file of the user's named like one, profile.py, is not)
     if path is None:  # not loaded here, or no file (a builtin, a frozen module): the worker imports it
         dists = _dists_of(top)
         return (DIST, dists[0]) if dists else (INSTALLED,)
-    for dist_name in _dists_of(top):
-        try:
-            root = os.path.realpath(importlib.metadata.distribution(dist_name).locate_file(""))
-        except Exception:  # pragma: no cover - a broken installation's metadata
-            continue
-        if _under(path, root):
-            return (DIST, dist_name)
+    holder = _dist_holding(path, _dists_of(top))
+    if holder is not None:
+        return (DIST, holder)
     if any(_under(path, p) for p in _install_paths()):
         return (INSTALLED,)
     if path.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
@@ -196,6 +218,32 @@ def _found_file(top: str) -> str | None:
     return os.path.realpath(origin) if isinstance(origin, str) else None
 
 
+def _dist_holding(path: str, names: list[str]) -> str | None:
+    """The distribution among names whose installed files include path (when several share a top-level
+    name, as namespace packages do: their RECORDs tell them apart), else None."""
+    under = []
+    for dist_name in names:
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+            root = os.path.realpath(dist.locate_file(""))
+        except Exception:  # pragma: no cover - a broken installation's metadata
+            continue
+        if _under(path, root):
+            if len(names) == 1:
+                return dist_name
+            under.append(dist_name)
+            files = _dist_files.get(dist_name)
+            if files is None:
+                files = _dist_files[dist_name] = {os.path.realpath(dist.locate_file(f)) for f in dist.files or ()}
+            if path in files or any(f.startswith(path.rstrip(os.sep) + os.sep) for f in files):
+                return dist_name
+    return under[0] if under else None
+
+
+def _stdlib_paths() -> list[str]:
+    return [os.path.realpath(p) for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")} if p]
+
+
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
@@ -217,9 +265,10 @@ def _dists_of(top: str) -> list[str]:
     return _top_dists.get(top, [])
 
 
-def version_of(dist_name: str) -> str | None:
-    """The installed version of a distribution here (None: not installed); looked up once per process."""
-    if dist_name not in _versions:
+def version_of(dist_name: str, cached: bool = True) -> str | None:
+    """The installed version of a distribution here (None: not installed); looked up once per process
+    unless cached is False (a worker checks afresh: a package may be installed while it runs)."""
+    if not cached or dist_name not in _versions:
         try:
             _versions[dist_name] = importlib.metadata.version(dist_name)
         except importlib.metadata.PackageNotFoundError:
@@ -227,10 +276,10 @@ def version_of(dist_name: str) -> str | None:
     return _versions[dist_name]
 
 
-def manifest(noted: set[str], mode: str, imported: set[str] = frozenset()) -> str:
+def manifest(noted: set[str], mode: str, source_tops=()) -> str:
     """What the worker checks before it unpickles the fragment (JSON): the versions of Python, flowvm and
     every distribution among the noted modules, the compiled modules that could not be shipped, and the
-    sources of the local modules that shipped functions import in their bodies (see sources_of)."""
+    sources of the local packages in source_tops (see sources_of)."""
     packages: dict[str, str] = {}
     compiled: dict[str, str] = {}
     sources: dict[str, str] = {}
@@ -242,8 +291,8 @@ def manifest(noted: set[str], mode: str, imported: set[str] = frozenset()) -> st
                 packages[kind[1]] = version
         elif kind[0] == COMPILED:
             compiled[name] = kind[1]
-        elif kind[0] == LOCAL and name in imported:
-            sources.update(sources_of(name.partition(".")[0]))
+    for top in sorted(source_tops):
+        sources.update(sources_of(top))
     return json.dumps({"python": platform.python_version(), "flowvm": __version__, "packages": packages,
                        "compiled": compiled, "sources": sources, "mode": mode, "host": platform.node()})
 
@@ -311,14 +360,18 @@ class ShippedSources(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def __enter__(self):
         if self.sources:
+            _running_sources.acquire()  # modules are process-wide: other threads' fragments wait
             sys.meta_path.append(self)
         return self
 
     def __exit__(self, *exc):
         if self.sources:
-            sys.meta_path.remove(self)
-            for name in self.loaded:
-                sys.modules.pop(name, None)
+            try:
+                sys.meta_path.remove(self)
+                for name in self.loaded:
+                    sys.modules.pop(name, None)
+            finally:
+                _running_sources.release()
         return False
 
 
@@ -331,15 +384,15 @@ def check(text: str) -> tuple[list[SpawnVersionError], list[str]]:
     refusals: list[SpawnVersionError] = []
     differ: list[SpawnVersionError] = []
     here_python, there_python = wanted["python"], platform.python_version()
-    if here_python.split(".")[:2] != there_python.split(".")[:2]:
-        differ.append(SpawnVersionError(
+    if here_python.split(".")[:2] != there_python.split(".")[:2]:  # refused even in "warn" mode
+        refusals.append(SpawnVersionError(
             f"Python is {here_python} in {parent} and {there_python} in {where}: a fragment pickled by one "
             "Python minor version may not load or run under another", "python", here_python, there_python))
     if wanted["flowvm"] != __version__:
         differ.append(SpawnVersionError(f"flowvm is {wanted['flowvm']} in {parent} and {__version__} in {where}",
                                         "flowvm", wanted["flowvm"], __version__))
     for dist_name, version in wanted["packages"].items():
-        theirs = version_of(dist_name)
+        theirs = version_of(dist_name, cached=False)
         if theirs is None:
             refusals.append(SpawnVersionError(
                 f"the fragment's code uses the package {dist_name!r} ({version} in {parent}), which is not "
