@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 
 import flowvm
-from flowvm.command.history import History, plot_history
+from flowvm.command.history import plot_history
 
 from toy import flowvm_cmd
 
@@ -34,16 +34,21 @@ def test_a_run_stopped_and_resumed_records_the_uninterrupted_runs_history(tmp_pa
 
 
 def test_a_longer_run_than_its_program_tells_keeps_a_bounded_history_the_same_way_resumed_or_not():
+    import pickle
+
+    from flowvm import CALL, WHILE, Registers
+
+    def program():  # a WHILE: no step count the program fixes, so the interval starts at 1 and doubles
+        reg = Registers(x=0)
+        return WHILE(CALL(lambda x: x < 5_000, reg("x")), CALL(lambda x: x + 1, reg("x"), store_to=reg("x")))
+
     def recorded(stops):
-        meta: dict = {}
-        history = History(meta, ["x"], total=None)
-        step = 0
-        for stop in stops + [10_000]:
-            while step < stop:
-                step = min(history.next_step(step), 10_000)
-                history.record(step, {"x": step / 7}, final=step == 10_000)
-            history = History(meta, ["x"], total=None, start_step=step)  # a resumed run, from its meta
-        return meta["history"]
+        drv = program().start().watch("x")
+        for stop in stops:
+            drv.run(max_steps=stop - drv.steps)
+            drv = pickle.loads(pickle.dumps(drv))  # a resumed run, from a copy
+        drv.run()
+        return drv._watch
 
     whole = recorded([])
     assert whole == recorded([333, 5000, 5001]) and 200 <= len(whole["points"]["x"]) <= 402

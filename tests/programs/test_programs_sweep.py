@@ -137,13 +137,12 @@ def test_the_built_in_sweep_trains_on_the_users_data_from_a_file_through_the_com
     assert isinstance(net, mlp.Classifier) and float((net.predict(x) == iris.target).mean()) >= 0.85
 
 
-def test_a_built_in_sweep_result_of_flowvm_0_2_gives_its_best_network():
+def test_a_built_in_sweep_saved_by_flowvm_0_2_gives_its_best_network():
     from pathlib import Path
 
     drv = flowvm.load(Path(__file__).resolve().parents[1] / "fixtures" / "sweep-0.2.0.ckpt")
     drv.run()
-    best = {k: v for k, v in drv.registers["best"].items() if k != "model"}  # as that release's trials kept it
-    net = sweep.model({"best": best})
+    net = sweep.model(drv.registers)
     assert isinstance(net, mlp.Classifier) and not net.training
     x, y = mlp.spirals(300, seed=7)
     assert net.predict(x).shape == (300,)

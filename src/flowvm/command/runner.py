@@ -23,30 +23,11 @@ from typing import Any
 from .history import History
 from ..persist import checkpoint
 from ..machine.driver import Driver
+from ..program.analysis import static_steps
 from ..base.errors import StoppedDuringStartup
 
 DEFAULT_EVERY_SECONDS = 60.0
 _MAX_CHUNK = 1 << 20  # steps per driver.run() call, at most
-
-
-def static_steps(program) -> int | None:
-    """The number of steps the program takes, when its shape alone fixes it (else None)."""
-    from ..program.elements import BUFFER, CALL, PRINT, REPEAT, SEQ, WEAVE
-
-    def count(el):
-        kind = type(el)
-        if kind is CALL or kind is PRINT:
-            return 1
-        if kind is SEQ or (kind is WEAVE and el.required == len(el.elements)):
-            return sum(count(c) for c in el.children)
-        if (kind is REPEAT or kind is BUFFER) and isinstance(el.n, int):
-            return el.n * count(el.body) if el.n else 0
-        raise LookupError
-
-    try:
-        return count(program)
-    except LookupError:
-        return None
 
 
 class Stop:
@@ -152,10 +133,7 @@ class Runner:
             self.line(f"flowvm: running from step {drv.steps}{where}")
         last_line = time.monotonic()
         chunk = 1
-        history = History(self.meta, self.history_names, self.total, self.tensorboard, drv.steps)
-        if drv.steps == 0 or drv.done:
-            history.record(drv.steps, drv.registers, final=drv.done)
-        due = history.next_step(drv.steps)
+        history = History(drv, self.meta, self.history_names, self.tensorboard)
         with contextlib.nullcontext(self.stop) if self.stop is not None else Stop(running=True) as stop, \
                 contextlib.closing(history):
             stop.running = True  # from here a signal stops the run at a step boundary, saved
@@ -166,7 +144,6 @@ class Runner:
                         n = max(1, min(n, self.saved_step + self.every - drv.steps))
                     if limit is not None:
                         n = min(n, limit - drv.steps)
-                    n = max(1, min(n, due - drv.steps))  # stop at the next history point
                     t0 = time.monotonic()
                     before = drv.steps
                     if self.timed:  # returns within about 50 ms, also while it waits on a SPAWN or POPEN
@@ -174,10 +151,7 @@ class Runner:
                     else:
                         drv.run(max_steps=n)
                     took = time.monotonic() - t0
-                    if drv.steps >= due or drv.done:
-                        if drv.steps == due or drv.done:
-                            history.record(drv.steps, drv.registers, final=drv.done)
-                        due = history.next_step(drv.steps)
+                    history.sync()
                     # chunks of about 50 ms keep signals and output responsive
                     chunk = max(1, min(chunk * 2, _MAX_CHUNK, int(n * 0.05 / took) if took > 0 else _MAX_CHUNK))
                     now = time.monotonic()

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..pickled import stable
 from .compile import leaf_function
-from . import fastpaths
+from . import fastpaths, history
 from .fastpaths import repeat_leaf, repeat_seq, repeat_woven
 from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, child_index, credit_weaves, marks,
                      settle, take_turn)
@@ -93,6 +93,7 @@ class Driver:
     # runs, and the frames around it that the fast paths use.
     _leaf = None
     _fast = None
+    _watch = None  # the run's history of metrics, when watched (see flowvm.machine.history)
     # Plain state (pickled): the index of the outermost of the frames that the last settle entered
     # and that have taken no step since (from there up to the next leaf); None: the leaf alone.
     _fresh = None
@@ -137,6 +138,8 @@ class Driver:
         IDLE_SLICE of waiting) after it.  While every runnable leaf is a
         pending POPEN or SPAWN, run() sleeps on them instead of polling.
         """
+        if self._watch is not None:
+            return history.run(self, step_limit(self.steps, max_steps), deadline_after(timeout))
         return self._drive(step_limit(self.steps, max_steps), deadline_after(timeout), None, True)
 
     async def arun(self, max_steps: int | None = None, timeout: float | None = None,
@@ -169,11 +172,14 @@ class Driver:
         idle = _Idle()
         while True:
             idle.stopped = False
+            cap = limit if self._watch is None else min(limit, history.due_after(self))
             if steps_per_yield is None:  # a time slice, ending at the deadline at the latest
                 end = monotonic() + yield_every
-                self._drive(limit, end if deadline is None or end < deadline else deadline, idle, False)
+                self._drive(cap, end if deadline is None or end < deadline else deadline, idle, False)
             else:
-                self._drive(min(limit, self.steps + steps_per_yield), deadline, idle, False)
+                self._drive(min(cap, self.steps + steps_per_yield), deadline, idle, False)
+            if self._watch is not None:
+                history.record(self)
             if self.done:
                 return self.result
             if self.steps >= limit or (deadline is not None and monotonic() >= deadline):
@@ -277,8 +283,41 @@ class Driver:
         state = "finished" if self.done else f"at {self.position!r}" if self._ready else "not settled"
         return f"<flowvm.Driver {self.program.kind} step {self.steps} {state}>"
 
+    # ---------------------------------------------------------------- watching
+    def watch(self, *names: str, every: int | None = None) -> "Driver":
+        """Keep the history of the registers named: a point ``[step, value]`` every ``every`` steps (by
+        default about 200 points over the steps the program fixes) and one when the run ends, whichever of
+        run(), arun() or step() drives it.  The history is part of the run: copies, checkpoints and state
+        files hold it, and a resumed run records exactly the points of the uninterrupted one.  Returns the
+        driver.
+
+        >>> from flowvm import CALL, REPEAT, Registers
+        >>> reg = Registers(n=0)
+        >>> drv = REPEAT(4, CALL(lambda n: n + 1, reg('n'), store_to=reg('n'))).start().watch('n', every=2)
+        >>> drv.run(); drv.history
+        4
+        {'n': [(0, 0.0), (2, 2.0), (4, 4.0)]}
+        """
+        from ..program.analysis import static_steps
+
+        history.watch(self, names, every, static_steps(self.program))
+        return self
+
+    @property
+    def history(self) -> dict[str, list[tuple[int, Any]]]:
+        """The points of the registers watched (see watch), by name: ``[(step, value), ...]``."""
+        if self._watch is None:
+            return {}
+        return {name: [tuple(p) for p in self._watch["points"][name]] for name in self._watch["names"]}
+
+    def _watched_step(self) -> Any:
+        value = Driver.step(self)
+        history.record(self)
+        return value
+
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
+        state.pop("step", None)  # a watched driver's own step (history.attach), made again when loaded
         state.pop("_leaf", None)
         state.pop("_fast", None)
         state.pop("_fastseq", None)

@@ -44,6 +44,7 @@ from ..base.environment import check_random, check_settings
 from ..base.errors import CheckpointError, CopyWarning
 from ..base.sentinels import NOVALUE
 from ..base.version import __version__
+from ..machine import history
 from ..machine.frames import WEAVE_SEGMENTS, child_index, marks
 from ..program.analysis import all_registers
 from ..program.elements import WEAVE, Element
@@ -117,6 +118,8 @@ def collect(driver, path: Any = "<state>", signed: bool = False, meta: dict | No
                "stack": _frames(enc, driver._stack, ())}
         if driver._carry is not NOVALUE:
             run["carry"] = enc.value(driver._carry, "run/carry")
+        if driver._watch is not None:
+            run["history"] = enc.value(driver._watch, "run/history")
         env = driver._resume_for_copy()
         environment = {"random": enc.value(env["random"], "environment/random"), "settings": env["settings"]}
     except Refused as err:
@@ -213,6 +216,10 @@ def load_state(path: Any, program: Element, key: bytes | str | None = None, rest
     drv.result = dec.value(run.get("result"), "run/result")
     drv._carry = dec.value(run["carry"], "run/carry") if "carry" in run else NOVALUE
     drv._stack = stack
+    try:
+        history.adopt(drv, dec.value(run["history"], "run/history") if "history" in run else None)
+    except ValueError:
+        raise CheckpointError(path, "malformed: the run's history cannot be read") from None
     env = parts["environment"]
     try:
         random_state = check_random(dec.value(env["random"], "environment/random"), path)

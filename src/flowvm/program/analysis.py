@@ -169,3 +169,23 @@ def has_weave(program) -> bool:
         if not el.is_leaf:
             todo.extend(el.children)
     return False
+
+
+def static_steps(program) -> int | None:
+    """The number of steps the program takes, when its shape alone fixes it (else None)."""
+    from .elements import BUFFER, CALL, PRINT, REPEAT, SEQ, WEAVE
+
+    def count(el):
+        kind = type(el)
+        if kind is CALL or kind is PRINT:
+            return 1
+        if kind is SEQ or (kind is WEAVE and el.required == len(el.elements)):
+            return sum(count(c) for c in el.children)
+        if (kind is REPEAT or kind is BUFFER) and isinstance(el.n, int):
+            return el.n * count(el.body) if el.n else 0
+        raise LookupError
+
+    try:
+        return count(program)
+    except LookupError:
+        return None

@@ -60,7 +60,7 @@ def run_trial(config: dict) -> dict:
         torch.set_num_threads(threads)
     regs = drv.registers
     return {"config": config, "accuracy": regs["accuracy"], "loss": regs["loss"], "weights": regs["weights"],
-            "model": regs["model"], "steps": drv.steps}
+            "steps": drv.steps}
 
 
 def best_of(results: list[dict]) -> dict:
@@ -269,7 +269,7 @@ def model(registers):
     ``torch.nn.Module`` with ``predict`` and ``predict_proba`` (the built-in sweep)."""
     best = registers["best"]
     fitted = best.get("model")
-    if fitted is None and "weights" in best:  # a built-in sweep saved by flowvm 0.2 kept the weights only
+    if fitted is None and "weights" in best:  # the built-in sweep's trials keep their MLP's weights
         import torch
 
         from flowvm.programs import mlp
@@ -280,7 +280,7 @@ def model(registers):
             for parameter, value in zip(network.parameters(), weights):
                 parameter.copy_(value)
         return network.eval()
-    return fitted.module() if callable(getattr(fitted, "module", None)) else fitted
+    return fitted
 
 
 def search_report(registers) -> str:
