@@ -289,3 +289,36 @@ def read_shipmod():
 
     time.sleep(0.05)
     return flowvm_shipmod.VALUE
+
+
+def run_inner(manifest, payload):
+    import flowvm_shipmod
+
+    inner = job.decode_outcome(job.run_shipped(manifest, payload))
+    return inner[1], flowvm_shipmod.VALUE
+
+
+@pytest.mark.timeout(30)
+def test_a_fragment_running_another_with_the_same_sources_in_its_worker_does_not_wait_for_itself():
+    with_sources = lambda manifest: json.dumps(dict(json.loads(manifest), sources={"flowvm_shipmod": "VALUE = 7\n"}))
+    inner_manifest, inner_payload = job.shipped_payload(CALL(read_shipmod), Registers(), [], b"n", "error")
+    reg = Registers(m=with_sources(inner_manifest), p=inner_payload)
+    manifest, payload = job.shipped_payload(CALL(run_inner, reg("m"), reg("p")), reg, ["m", "p"], b"n", "error")
+    outcome = job.decode_outcome(job.run_shipped(with_sources(manifest), payload))
+    assert outcome[0] == "ok" and outcome[1] == (7, 7)
+    assert "flowvm_shipmod" not in sys.modules
+
+
+def test_a_shipped_packages_own_imports_travel_and_are_checked(tmp_path, monkeypatch):
+    project(tmp_path, monkeypatch, {
+        "pkga/__init__.py": "import localdep\n\ndef go(x):\n    return localdep.double(x)\n",
+        "localdep.py": "import numpy as np\n\ndef double(x):\n    return float(np.float64(x) * 2)\n",
+        "caller.py": "import pkga\n\ndef run(x):\n    return pkga.go(x)\n"})
+    import caller
+
+    reg = Registers(x=21)
+    manifest, payload = job.shipped_payload(CALL(caller.run, reg("x"), store_to=reg("y")), reg, ["x"], b"n", "error")
+    wanted = json.loads(manifest)
+    assert set(wanted["sources"]) == {"pkga", "localdep"} and wanted["source_packages"] == ["pkga"]
+    assert wanted["packages"]["numpy"] == np.__version__  # localdep's import, checked on the worker
+    assert in_a_worker(tmp_path, manifest, payload) == "42.0"

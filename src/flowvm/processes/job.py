@@ -62,9 +62,14 @@ def shipped_payload(fragment, registers: Registers, names, nonce: bytes, mode: s
     no installed distribution holds travels by value, the manifest names the versions the worker checks
     (see shipping)."""
     tops: set[str] = set()
+    probe = True  # first the fragment alone (its code decides most packages that travel as source), cheaply
     while True:
         payload, pickler = _dump(functools.partial(_ShippingPickler, source_tops=tops), fragment, registers,
-                                 names, nonce)
+                                 [] if probe else names, nonce)
+        if probe:
+            probe = False
+            tops |= pickler.needs_source
+            continue
         new = pickler.needs_source - tops
         tops |= pickler.needs_source
         # A package that travels as source must not also travel by value (its classes would come twice, as
@@ -134,7 +139,10 @@ def run_job(payload: bytes, timeout: float | None = None) -> bytes:
             raise SpawnError(f"the fragment refers by name to {_missing_name(err)}, which {where} cannot "
                              f"import ({type(err).__name__}: {err}): the code of installed packages travels by name, "
                              "not by value; install the package that provides it on the workers") from err
-        except AttributeError as err:  # a module of that name, without the name: another module or version
+        except AttributeError as err:
+            if "Can't get attribute" not in str(err):
+                raise
+            # a module of that name, without the name: another module or another version
             raise SpawnError(f"the fragment refers by name to something that {where} does not find ({err}): its "
                              "module there is another one, or another version, than in the parent") from err
         report_start(nonce)  # the parent counts a timeout from here, and leaves started tasks be
@@ -182,7 +190,8 @@ def run_shipped(manifest: str, payload: bytes, timeout: float | None = None) -> 
         err = shipping.refusal(refusals)
         return pickle_bytes(("error", err, f"{type(err).__name__}: {err}\n",
                              f"process {os.getpid()} on {socket.gethostname()}"))
-    with shipping.ShippedSources(json.loads(manifest).get("sources") or {}):
+    wanted = json.loads(manifest)
+    with shipping.ShippedSources(wanted.get("sources") or {}, wanted.get("source_packages") or ()):
         outcome = run_job(payload, timeout)
     return pickle_bytes(("warn", warned, outcome)) if warned else outcome
 

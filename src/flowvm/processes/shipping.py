@@ -10,8 +10,9 @@ Every executor but the default local pool (Dask, a named executor, a user's pool
   cloudpickle's process-wide registry is never touched), so the worker never imports them.  A local
   package whose module objects the fragment reaches (``import helpers`` used as a global) or that a shipped
   function imports in its body travels as source instead, every ``.py`` file of it, and is pickled by name:
-  the worker imports it from those sources while the fragment runs (one such fragment at a time per worker
-  process), then forgets it.  A package never travels both ways: its classes would come twice, as two
+  the worker imports it from those sources while the fragment runs (fragments with the same sources share
+  them; another version of a module in use waits), then forgets it.  The local modules such a package
+  imports travel too, and the installed ones it imports are version-checked.  A package never travels both ways: its classes would come twice, as two
   classes, and ``is``/``isinstance`` would fail.
 - **Installed distributions, the standard library and flowvm travel by reference**: the worker imports
   them.  The payload's manifest (plain JSON, read before anything is unpickled) names the version of every
@@ -35,6 +36,7 @@ standard one is standard only when its file lies in the standard library (a user
 from __future__ import annotations
 
 import dis
+import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -63,7 +65,6 @@ _kinds: dict[str, tuple[int, tuple]] = {}  # module name -> (id of the module ob
 _top_dists: dict[str, list[str]] | None = None
 _versions: dict[str, str | None] = {}
 _dist_files: dict[str, set[str]] = {}
-_running_sources = threading.Lock()  # in a worker: one fragment carrying sources at a time
 
 
 class ShippingPickler(Pickler):
@@ -137,11 +138,11 @@ def _named_in_module(obj) -> bool:
 
 def _imports_in(code: types.CodeType, package: str | None):
     """The absolute names of the modules that code imports (relative imports resolved against package)."""
-    level = 0
-    for ins in dis.get_instructions(code):
-        if ins.opname == "LOAD_CONST" and isinstance(ins.argval, int):
-            level = ins.argval
-        elif ins.opname == "IMPORT_NAME" and isinstance(ins.argval, str):
+    instructions = list(dis.get_instructions(code))
+    for k, ins in enumerate(instructions):
+        if ins.opname == "IMPORT_NAME" and isinstance(ins.argval, str):
+            # the level is pushed two instructions before (LOAD_CONST; LOAD_SMALL_INT on newer Pythons)
+            level = instructions[k - 2].argval if k >= 2 and type(instructions[k - 2].argval) is int else 0
             if level == 0:
                 yield ins.argval
             elif package:
@@ -291,18 +292,45 @@ def manifest(noted: set[str], mode: str, source_tops=()) -> str:
                 packages[kind[1]] = version
         elif kind[0] == COMPILED:
             compiled[name] = kind[1]
-    for top in sorted(source_tops):
-        sources.update(sources_of(top))
+    # the shipped packages' own imports: local ones travel too, installed ones are checked
+    shipped, names, pending = set(), set(noted), sorted(source_tops)
+    source_packages: set[str] = set()
+    while pending:
+        top = pending.pop()
+        if top in shipped:
+            continue
+        shipped.add(top)
+        found = sources_of(top, source_packages)
+        sources.update(found)
+        for name, text in found.items():
+            try:
+                code = compile(text, f"<{name}>", "exec")
+            except (SyntaxError, ValueError):
+                continue
+            package = name if name in source_packages else name.rpartition(".")[0]
+            for imported in _imports_in(code, package or None):
+                names.add(imported)
+                local = _local_top(imported)
+                if local is not None and local not in shipped:
+                    pending.append(local)
+    for name in sorted(names - set(noted)):
+        kind = kind_of(name)
+        if kind[0] == DIST and version_of(kind[1]) is not None:
+            packages[kind[1]] = version_of(kind[1])
+        elif kind[0] == COMPILED:
+            compiled[name] = kind[1]
     return json.dumps({"python": platform.python_version(), "flowvm": __version__, "packages": packages,
-                       "compiled": compiled, "sources": sources, "mode": mode, "host": platform.node()})
+                       "compiled": compiled, "sources": sources, "source_packages": sorted(source_packages),
+                       "mode": mode, "host": platform.node()})
 
 
 SOURCE_LIMIT = 8 << 20  # bytes of source shipped for one local package
 
 
-def sources_of(top: str) -> dict[str, str]:
+def sources_of(top: str, packages: set | None = None) -> dict[str, str]:
     """{module name: source} of a local module, or of every .py file of a local package: what the worker
-    imports from when a shipped function runs ``import top`` (or one of its submodules) in its body."""
+    imports from when a shipped function runs ``import top`` (or one of its submodules) in its body; the
+    names that are packages (their ``__init__.py``) are added to packages."""
     module = sys.modules.get(top)
     path = _file_of(module) if module is not None else _found_file(top)
     if path is None:
@@ -322,6 +350,8 @@ def sources_of(top: str) -> dict[str, str]:
                 text = _read(os.path.join(folder, name))
                 size += len(text)
                 found[prefix if name == "__init__.py" else f"{prefix}.{name[:-3]}"] = text
+                if name == "__init__.py" and packages is not None:
+                    packages.add(prefix)
     if size > SOURCE_LIMIT:
         raise SpawnError(f"the fragment imports the local package {top!r} ({path}), whose {size >> 20} MB of "
                          "source is too much to ship with every fragment: install it on the workers")
@@ -333,45 +363,80 @@ def _read(path: str) -> str:
         return f.read()
 
 
-class ShippedSources(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """In the worker, while a fragment runs: imports served from the sources its manifest carries.  The
-    worker's own modules come first; the modules imported from here are forgotten when it ends (a later
-    fragment may bring other versions of them)."""
+class _Served(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The worker's one finder for shipped sources (after its own: a copy the worker has itself wins):
+    name -> [source, digest, fragments using it].  Fragments bringing the same source of a name share it;
+    one bringing another source of a name in use waits until no fragment uses it (and its modules are gone)."""
 
-    def __init__(self, sources: dict[str, str]):
-        self.sources = sources
-        self.loaded: list[str] = []
+    def __init__(self):
+        self.served: dict[str, list] = {}
+        self.changed = threading.Condition()
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in self.sources:
-            return None
-        is_package = any(other.startswith(fullname + ".") for other in self.sources)
-        spec = importlib.util.spec_from_loader(fullname, self, origin=f"<shipped {fullname}>",
-                                               is_package=is_package)
-        return spec
+        entry = self.served.get(fullname)
+        if entry is not None:
+            return importlib.util.spec_from_loader(fullname, self, origin=f"<shipped {fullname}>",
+                                                   is_package=entry[3] or _is_package(fullname, self.served))
+        if any(name.startswith(fullname + ".") for name in list(self.served)):  # a namespace package's prefix
+            return importlib.util.spec_from_loader(fullname, self, origin=f"<shipped {fullname}>", is_package=True)
+        return None
 
     def create_module(self, spec):
         return None
 
     def exec_module(self, module):
-        name = module.__name__
-        self.loaded.append(name)
-        exec(compile(self.sources[name], f"<shipped {name}>", "exec"), module.__dict__)
+        entry = self.served.get(module.__name__)
+        if entry is not None:
+            exec(compile(entry[0], f"<shipped {module.__name__}>", "exec"), module.__dict__)
+
+    def enter(self, sources: dict[str, str], packages=()) -> None:
+        digests = {name: hashlib.sha256(f"{name in packages}:{text}".encode()).hexdigest()
+                   for name, text in sources.items()}
+        with self.changed:
+            while any(name in self.served and self.served[name][1] != digest for name, digest in digests.items()):
+                self.changed.wait()
+            for name, digest in digests.items():
+                entry = self.served.setdefault(name, [sources[name], digest, 0, name in packages])
+                entry[2] += 1
+            if self not in sys.meta_path:
+                sys.meta_path.append(self)
+
+    def leave(self, sources: dict[str, str]) -> None:
+        with self.changed:
+            for name in sources:
+                entry = self.served[name]
+                entry[2] -= 1
+                if not entry[2]:
+                    del self.served[name]
+                    for loaded in [m for m in list(sys.modules) if m == name or m.startswith(name + ".")]:
+                        sys.modules.pop(loaded, None)
+            if not self.served and self in sys.meta_path:
+                sys.meta_path.remove(self)
+            self.changed.notify_all()
+
+
+def _is_package(name: str, names) -> bool:
+    return any(other.startswith(name + ".") for other in list(names))
+
+
+_served = _Served()
+
+
+class ShippedSources:
+    """In the worker, while a fragment runs: imports served from the sources its manifest carries (see
+    _Served); the modules imported from them are forgotten once no running fragment uses them."""
+
+    def __init__(self, sources: dict[str, str], packages=()):
+        self.sources, self.packages = sources, frozenset(packages)
 
     def __enter__(self):
         if self.sources:
-            _running_sources.acquire()  # modules are process-wide: other threads' fragments wait
-            sys.meta_path.append(self)
+            _served.enter(self.sources, self.packages)
         return self
 
     def __exit__(self, *exc):
         if self.sources:
-            try:
-                sys.meta_path.remove(self)
-                for name in self.loaded:
-                    sys.modules.pop(name, None)
-            finally:
-                _running_sources.release()
+            _served.leave(self.sources)
         return False
 
 
