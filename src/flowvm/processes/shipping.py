@@ -17,7 +17,7 @@ Every executor but the default local pool (Dask, a named executor, a user's pool
 - **Installed distributions, the standard library and flowvm travel by reference**: the worker imports
   them.  The payload's manifest (plain JSON, read before anything is unpickled) names the version of every
   distribution the pickle refers to by name (numpy, torch, scikit-learn, a pure-Python package alike), and
-  the Python and flowvm versions.  The worker compares them with its own (read afresh for every fragment)
+  the Python and flowvm versions.  The worker compares them with its own (read again on any difference)
   and refuses the fragment (``SpawnVersionError``, naming the package and both versions) on any difference,
   or on a distribution it lacks; an executor registered with ``versions="warn"`` runs it anyway and the
   parent warns (``SpawnVersionWarning``), except for another Python minor version, always refused (its
@@ -457,7 +457,9 @@ def check(text: str) -> tuple[list[SpawnVersionError], list[str]]:
         differ.append(SpawnVersionError(f"flowvm is {wanted['flowvm']} in {parent} and {__version__} in {where}",
                                         "flowvm", wanted["flowvm"], __version__))
     for dist_name, version in wanted["packages"].items():
-        theirs = version_of(dist_name, cached=False)
+        theirs = version_of(dist_name)
+        if theirs != version:  # read again: it may have been installed or upgraded since
+            theirs = version_of(dist_name, cached=False)
         if theirs is None:
             refusals.append(SpawnVersionError(
                 f"the fragment's code uses the package {dist_name!r} ({version} in {parent}), which is not "
