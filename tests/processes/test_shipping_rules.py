@@ -322,3 +322,16 @@ def test_a_shipped_packages_own_imports_travel_and_are_checked(tmp_path, monkeyp
     assert set(wanted["sources"]) == {"pkga", "localdep"} and wanted["source_packages"] == ["pkga"]
     assert wanted["packages"]["numpy"] == np.__version__  # localdep's import, checked on the worker
     assert in_a_worker(tmp_path, manifest, payload) == "42.0"
+
+
+def test_a_shipped_module_knows_its_file_as_the_parent_has_it(tmp_path, monkeypatch):
+    project(tmp_path, monkeypatch, {
+        "datapkg/__init__.py": "from pathlib import Path\nDATA = Path(__file__).parent / 'conf.json'\n"
+                               "def where():\n    return str(DATA)\n",
+        "usesdata.py": "import datapkg\ndef run():\n    return datapkg.where()\n"})
+    import usesdata
+
+    manifest, payload = job.shipped_payload(CALL(usesdata.run), Registers(), [], b"n", "error")
+    assert json.loads(manifest)["source_files"]["datapkg"] == str(tmp_path / "code" / "datapkg" / "__init__.py")
+    # the import works on the worker; the path is the parent's (found there on a shared file system)
+    assert in_a_worker(tmp_path, manifest, payload) == repr(str(tmp_path / "code" / "datapkg" / "conf.json"))

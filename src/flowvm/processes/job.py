@@ -191,7 +191,8 @@ def run_shipped(manifest: str, payload: bytes, timeout: float | None = None) -> 
         return pickle_bytes(("error", err, f"{type(err).__name__}: {err}\n",
                              f"process {os.getpid()} on {socket.gethostname()}"))
     wanted = json.loads(manifest)
-    with shipping.ShippedSources(wanted.get("sources") or {}, wanted.get("source_packages") or ()):
+    with shipping.ShippedSources(wanted.get("sources") or {}, wanted.get("source_packages") or (),
+                                 wanted.get("source_files") or {}):
         outcome = run_job(payload, timeout)
     return pickle_bytes(("warn", warned, outcome)) if warned else outcome
 

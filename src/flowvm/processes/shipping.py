@@ -295,12 +295,13 @@ def manifest(noted: set[str], mode: str, source_tops=()) -> str:
     # the shipped packages' own imports: local ones travel too, installed ones are checked
     shipped, names, pending = set(), set(noted), sorted(source_tops)
     source_packages: set[str] = set()
+    source_files: dict[str, str] = {}
     while pending:
         top = pending.pop()
         if top in shipped:
             continue
         shipped.add(top)
-        found = sources_of(top, source_packages)
+        found = sources_of(top, source_packages, source_files)
         sources.update(found)
         for name, text in found.items():
             try:
@@ -321,16 +322,18 @@ def manifest(noted: set[str], mode: str, source_tops=()) -> str:
             compiled[name] = kind[1]
     return json.dumps({"python": platform.python_version(), "flowvm": __version__, "packages": packages,
                        "compiled": compiled, "sources": sources, "source_packages": sorted(source_packages),
-                       "mode": mode, "host": platform.node()})
+                       "source_files": source_files, "mode": mode, "host": platform.node()})
 
 
 SOURCE_LIMIT = 8 << 20  # bytes of source shipped for one local package
 
 
-def sources_of(top: str, packages: set | None = None) -> dict[str, str]:
+def sources_of(top: str, packages: set | None = None, files: dict | None = None) -> dict[str, str]:
     """{module name: source} of a local module, or of every .py file of a local package: what the worker
     imports from when a shipped function runs ``import top`` (or one of its submodules) in its body; the
-    names that are packages (their ``__init__.py``) are added to packages."""
+    names that are packages (their ``__init__.py``) are added to packages, and each module's file to files
+    (the worker gives it as the module's ``__file__``: a path computed at import works, and a data file
+    read from it is found where the parent's files are shared)."""
     module = sys.modules.get(top)
     path = _file_of(module) if module is not None else _found_file(top)
     if path is None:
@@ -338,20 +341,27 @@ def sources_of(top: str, packages: set | None = None) -> dict[str, str]:
     if os.path.basename(path) == "__init__.py":
         path = os.path.dirname(path)
     if not os.path.isdir(path):
-        return {top: _read(path)} if path.endswith(".py") else {}
+        if not path.endswith(".py"):
+            return {}
+        if files is not None:
+            files[top] = path
+        return {top: _read(path)}
     found: dict[str, str] = {}
     size = 0
-    for folder, dirs, files in os.walk(path):
+    for folder, dirs, names in os.walk(path):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
         rel = os.path.relpath(folder, path)
         prefix = top if rel == "." else top + "." + rel.replace(os.sep, ".")
-        for name in sorted(files):
+        for name in sorted(names):
             if name.endswith(".py"):
                 text = _read(os.path.join(folder, name))
                 size += len(text)
-                found[prefix if name == "__init__.py" else f"{prefix}.{name[:-3]}"] = text
+                module_name = prefix if name == "__init__.py" else f"{prefix}.{name[:-3]}"
+                found[module_name] = text
                 if name == "__init__.py" and packages is not None:
                     packages.add(prefix)
+                if files is not None:
+                    files[module_name] = os.path.join(folder, name)
     if size > SOURCE_LIMIT:
         raise SpawnError(f"the fragment imports the local package {top!r} ({path}), whose {size >> 20} MB of "
                          "source is too much to ship with every fragment: install it on the workers")
@@ -387,16 +397,19 @@ class _Served(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         entry = self.served.get(module.__name__)
         if entry is not None:
-            exec(compile(entry[0], f"<shipped {module.__name__}>", "exec"), module.__dict__)
+            if entry[4]:
+                module.__file__ = entry[4]  # the parent's path to it
+            exec(compile(entry[0], entry[4] or f"<shipped {module.__name__}>", "exec"), module.__dict__)
 
-    def enter(self, sources: dict[str, str], packages=()) -> None:
-        digests = {name: hashlib.sha256(f"{name in packages}:{text}".encode()).hexdigest()
+    def enter(self, sources: dict[str, str], packages=(), files=None) -> None:
+        files = files or {}
+        digests = {name: hashlib.sha256(f"{name in packages}:{files.get(name)}:{text}".encode()).hexdigest()
                    for name, text in sources.items()}
         with self.changed:
             while any(name in self.served and self.served[name][1] != digest for name, digest in digests.items()):
                 self.changed.wait()
             for name, digest in digests.items():
-                entry = self.served.setdefault(name, [sources[name], digest, 0, name in packages])
+                entry = self.served.setdefault(name, [sources[name], digest, 0, name in packages, files.get(name)])
                 entry[2] += 1
             if self not in sys.meta_path:
                 sys.meta_path.append(self)
@@ -426,12 +439,12 @@ class ShippedSources:
     """In the worker, while a fragment runs: imports served from the sources its manifest carries (see
     _Served); the modules imported from them are forgotten once no running fragment uses them."""
 
-    def __init__(self, sources: dict[str, str], packages=()):
-        self.sources, self.packages = sources, frozenset(packages)
+    def __init__(self, sources: dict[str, str], packages=(), files=None):
+        self.sources, self.packages, self.files = sources, frozenset(packages), dict(files or {})
 
     def __enter__(self):
         if self.sources:
-            _served.enter(self.sources, self.packages)
+            _served.enter(self.sources, self.packages, self.files)
         return self
 
     def __exit__(self, *exc):
