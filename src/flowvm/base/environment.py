@@ -232,3 +232,30 @@ def apply_settings(settings: dict, announce: bool = True) -> dict:
         warnings.warn(f"flowvm: resuming with the settings the run was saved with: {said}. "
                       "drv.resume_with(settings=False) keeps the process's own.", SettingsWarning, stacklevel=4)
     return changed
+
+
+# ----------------------------------------------------------------- the process-wide generators
+def global_generator(name: str) -> Any:
+    """The process-wide generator object named name ("random", "numpy" or "torch")."""
+    if name == "random":
+        return random._inst
+    if name == "torch":
+        import torch
+
+        return torch.default_generator
+    import numpy as np
+
+    return np.random.mtrand._rand
+
+
+def global_generator_name(obj: Any) -> str | None:
+    """The name global_generator gives obj, when obj is one of the process-wide generators; else None."""
+    if obj is random._inst:
+        return "random"
+    np = sys.modules.get("numpy")
+    if np is not None and obj is np.random.mtrand._rand:
+        return "numpy"
+    torch = sys.modules.get("torch")
+    if torch is not None and obj is torch.default_generator:
+        return "torch"
+    return None

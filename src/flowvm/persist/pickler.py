@@ -22,33 +22,14 @@ import cloudpickle
 
 from ..pickled import stable
 from ..program.elements import provide
+from ..base import environment
 from ..base.environment import check_random, check_settings
 from ..base.errors import CheckpointError, CopyWarning
 
 @stable("flowvm.pickled")
 def global_generator(name: str) -> Any:
-    """The process-wide generator object named name ("random", "numpy" or "torch")."""
-    if name == "random":
-        return random._inst
-    if name == "torch":
-        import torch
-
-        return torch.default_generator
-    import numpy as np
-
-    return np.random.mtrand._rand
-
-
-def _global_generator_name(obj: Any) -> str | None:
-    if obj is random._inst:
-        return "random"
-    np = sys.modules.get("numpy")
-    if np is not None and obj is np.random.mtrand._rand:
-        return "numpy"
-    torch = sys.modules.get("torch")
-    if torch is not None and obj is torch.default_generator:
-        return "torch"
-    return None
+    """The process-wide generator object named name ("random", "numpy" or "torch"); its pickled name stays."""
+    return environment.global_generator(name)
 
 
 class _WithoutGrad:
@@ -251,7 +232,7 @@ def rebuild_storage(data, byteorder: str):
 
 
 def _reduce_generator(obj):
-    name = _global_generator_name(obj)
+    name = environment.global_generator_name(obj)
     return (global_generator, (name,)) if name is not None else NotImplemented
 
 

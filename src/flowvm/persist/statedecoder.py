@@ -15,7 +15,8 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from ..base.errors import CheckpointError, CopyWarning
-from .statevalues import _GLOBALS, MISSING, _float_value, _step, global_generator, numpy_dtype, torch_dtypes
+from ..base.environment import global_generator
+from .statevalues import _GLOBALS, MISSING, _float_value, _step, numpy_dtype, torch_dtypes
 
 class Decoder:
     """JSON nodes back to values.  ``tensors``: name -> the loaded (checked, owned) tensor or array;

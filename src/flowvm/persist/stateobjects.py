@@ -139,9 +139,9 @@ def is_constant(v: Any) -> bool:
 
 
 def _global(v: Any) -> bool:
-    from .statevalues import _global_generator
+    from ..base.environment import global_generator_name
 
-    return _global_generator(v) is not None
+    return global_generator_name(v) is not None
 
 
 def _data(v: Any, depth: int) -> bool:

@@ -37,6 +37,7 @@ import sys
 from collections import OrderedDict
 from typing import Any, Callable
 
+from ..base.environment import global_generator_name
 from ..base.errors import Refused
 
 
@@ -223,7 +224,7 @@ class Encoder:
                 return {"torch_device": str(v)}
             if t is torch.Size:
                 return {"torch_size": list(v)}
-        name = _global_generator(v)
+        name = global_generator_name(v)
         if name is not None:
             return {"global_generator": name}
         if self.objects is None:
@@ -325,31 +326,3 @@ class Encoder:
         self.data[name] = data
         self._keep.append(data)
         return name
-
-
-def _global_generator(v: Any) -> str | None:
-    import random
-
-    if v is random._inst:
-        return "random"
-    np = sys.modules.get("numpy")
-    if np is not None and v is np.random.mtrand._rand:
-        return "numpy"
-    torch = _torch()
-    if torch is not None and v is torch.default_generator:
-        return "torch"
-    return None
-
-
-def global_generator(name: str) -> Any:
-    import random
-
-    if name == "random":
-        return random._inst
-    if name == "numpy":
-        import numpy as np
-
-        return np.random.mtrand._rand
-    import torch
-
-    return torch.default_generator

@@ -115,13 +115,17 @@ def _open_write_local(path: Path) -> Iterator[BinaryIO]:
         except OSError:
             pass
         raise
-    try:  # make the rename itself durable
+    _sync_directory(directory)  # make the rename itself durable
+
+
+def _sync_directory(directory) -> None:
+    try:
         dfd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    except OSError:
+    except OSError:  # a file system that cannot sync directories
         pass
 
 
@@ -275,14 +279,7 @@ def write_local_with(path: Path, save_to, target: Any = None) -> None:
         if isinstance(err, OSError):
             raise CheckpointError(target, f"cannot save: {err.strerror or err}") from err
         raise
-    try:  # make the rename itself durable
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    _sync_directory(directory)  # make the rename itself durable
 
 
 @contextmanager
