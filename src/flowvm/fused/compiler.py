@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .codegen import _barrier_index
 from .isolation import isolate_random_state, isolate_tracing
+from .outofprocess import plain_graph
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -184,20 +185,8 @@ def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
         head = gen.head
         with torch.no_grad():
             gm = make_fx(head, tracing_mode="fake")(*args)
-        out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-        results = out_node.args[0]
-        if not isinstance(results, (tuple, list)) or not all(
-                isinstance(r, torch.fx.Node) and isinstance(r.meta.get("val"), torch.Tensor) for r in results):
-            return None  # a value that is not a tensor
-        if any(r.op == "placeholder" for r in results):
-            return None  # an input handed back as it is (aliased)
-        for node in gm.graph.nodes:
-            schema = getattr(node.target, "_schema", None)
-            if node.op == "call_function" and (schema is None or schema.is_mutable
-                                               or any(r.alias_info is not None for r in schema.returns)):
-                return None  # in-place, random or view ops: left to dynamo, which handles them
-            if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-                return None  # random numbers: inductor draws them differently from eager
+        if plain_graph(gm) is not None:
+            return None  # in-place, view or random ops, or results that are not new tensors: left to dynamo
         with torch._inductor.config.patch(dict(s.options)):
             fn = compile_fx_inner(gm, list(args))
     except Exception:

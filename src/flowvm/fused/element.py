@@ -98,8 +98,14 @@ class FuseSettings:
       compiled code draws the same random numbers from the same global torch
       generator as eager code, and a run may switch forms without changing them.
     - ``form``: "auto" (time both, keep the faster), "compiled" or "eager".
-    - ``background``: compile in a background thread while running eagerly
+    - ``background``: compile in the background while running eagerly
       (False: the first execution waits for the compile; use it in tests).
+    - ``compile_in``: where a background inductor compile runs.  "process"
+      (the default): a step over plain CPU tensors (no modules, no autograd,
+      no tensor constants, no in-place, view or random ops) compiles with
+      AOTInductor in a child process at a lower priority, so the program's
+      interpreter never runs the compiler and never stalls for it; other
+      steps compile on the background thread.  "thread": always the thread.
     - ``trials``: executions timed per form before deciding; ``margin``: how
       much faster (a fraction) compiled code must be to be kept.
     - ``max_compiles``: compiles per element (new input shapes need new ones);
@@ -122,6 +128,7 @@ class FuseSettings:
     dynamic: bool | None = False
     form: str = "auto"
     background: bool = True
+    compile_in: str = "process"
     trials: int = 10
     margin: float = 0.02
     max_compiles: int = 4
@@ -135,6 +142,8 @@ class FuseSettings:
                 or not self.compile_after >= 0:
             raise ValueError(f"fuse-torch: compile_after must be a number of seconds >= 0, "
                              f"got {self.compile_after!r}")
+        if self.compile_in not in ("process", "thread"):
+            raise ValueError(f"fuse-torch: compile_in must be 'process' or 'thread', got {self.compile_in!r}")
         if self.form not in FORMS:
             raise ValueError(f"fuse-torch: form must be one of {', '.join(FORMS)}, got {self.form!r}")
         if not (isinstance(self.backend, str) or callable(self.backend)):
@@ -244,7 +253,7 @@ class FUSED(Element):
         """(constructor, args, kwargs) rebuilding this element (flowvm.to_source, flowvm.isolate)."""
         defaults = FuseSettings.make(backend=self.settings.backend)
         kwargs: dict[str, Any] = {"origins": list(self.origins)}
-        for name in ("backend", "mode", "options", "dynamic", "form", "background", "trials", "margin",
+        for name in ("backend", "mode", "options", "dynamic", "form", "background", "compile_in", "trials", "margin",
                      "max_compiles", "compile_after", "payback"):
             value = getattr(self.settings, name)
             if value != getattr(defaults, name):

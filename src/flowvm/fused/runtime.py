@@ -45,7 +45,8 @@ from typing import Any, Callable
 from ..base.errors import FusionWarning
 from ..base.errors import WarmedUp as _WarmedUp
 from ..machine.running import remaining_runs
-from .codegen import generate, leaf_source
+from . import outofprocess
+from .codegen import _barrier_index, generate, leaf_source
 from .compiler import (_compiler_ready, _direct_caller, _direct_compile, _inductor_after_tracing, _modules, _submit,
                        compile_estimate, program_ran, program_waits)
 from .compiler import compile_seconds as compiler_seconds
@@ -89,6 +90,7 @@ class Runtime:
         self._compiled: Callable | None = None
         self._runonly: Callable | None = None
         self._direct: tuple | None = None  # (input layouts, compiled graph, its bare callable): _direct_compile
+        self.refused: str | None = None    # why the out-of-process compile did not give a graph (see _out_of_process)
         self.current: Callable = self.eager if self.state == "eager" else self._first
 
     # -- the leaf the driver calls
@@ -216,6 +218,10 @@ class Runtime:
         generated function that calls the graph and falls back here for other inputs."""
         if self._direct is not None and "_compiled_call" not in self.__dict__:
             return self._install_direct()(*args)
+        if self._runonly is None:  # only a graph compiled out of process, for other layouts: eager, and a compile
+            out = self.eager(*args)
+            self._missed(args)
+            return out
         hits = self.hits
         gen = self.generated
         pos = gen.head_positions
@@ -337,6 +343,8 @@ class Runtime:
             self.error, self._job_done = err, True
             return
         background = self.settings.background
+        if background and self._out_of_process(args):
+            return
         self._waiting = background
         if background and not _compiler_ready(_modules(self.settings.backend)):
             return
@@ -385,6 +393,47 @@ class Runtime:
         else:  # another compile took the thread first: try again at the next execution
             self.compiles -= 1
             self._waiting, self._job_running = True, False
+
+    def _out_of_process(self, args) -> bool:
+        """Start compiling the head for these inputs in a child process (flowvm/fused/outofprocess.py), when
+        the settings and the step allow it; whether it started.  A refusal or failure there leaves the
+        compile to the background thread: the next execution starts it."""
+        import torch
+
+        s = self.settings
+        if (s.compile_in != "process" or s.backend != "inductor" or s.mode not in (None, "default") or s.dynamic
+                or self._direct is not None or self.refused is not None or torch.is_inference_mode_enabled()):
+            return False
+        gen = self.generated
+        head_args = tuple(args) if gen.head_positions is None else tuple(args[k] for k in gen.head_positions)
+        calls = self.el.calls if gen.tail is None else self.el.calls[:_barrier_index(self.el.calls)]
+        if not outofprocess.eligible(calls, head_args):
+            return False
+        layouts = tuple((type(a), a.dtype, a.device, a.shape, a.stride()) for a in head_args)
+        start = time.perf_counter()
+
+        def done(run, error):
+            if run is not None:
+                self._direct = (layouts, run, run)
+                self.compile_seconds.append(time.perf_counter() - start)
+                compiler_seconds.append(self.compile_seconds[-1])
+                self._job_done = True
+            else:
+                self.refused = error or "no package"
+                self.compiles -= 1
+                self._waiting = True  # the next execution starts the thread's compile
+            self._job_running = False
+
+        self.compiles += 1
+        self._waiting, self._job_running = False, True
+        try:
+            outofprocess.Compile(gen.head, head_args, dict(s.options), done)
+        except Exception as err:  # the head does not pickle, or carries data
+            self.refused = f"{type(err).__name__}: {err}"
+            self.compiles -= 1
+            self._job_running = False
+            return False
+        return True
 
     def _backend(self) -> Callable:
         """The backend given to torch.compile: the settings' backend, telling ``_traced`` when the
@@ -441,6 +490,9 @@ class Runtime:
             return (f"eager; compiles once it has run {self.settings.compile_after:g} s "
                     f"({self._eager_seconds:.1f} s so far)")
         if self.state == "compiling":
+            if self._job_running and self._direct is None and self._runonly is None and self.refused is None \
+                    and self.settings.compile_in == "process":
+                return "compiling in the background (in another process), eager meanwhile"
             return "compiling in the background, eager meanwhile"
         if self.state == "trial":
             n = min(len(self.periods["eager"]), len(self.periods["compiled"]))

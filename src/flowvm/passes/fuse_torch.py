@@ -111,12 +111,12 @@ def _fuse_seq(el: SEQ, path: tuple[int, ...], settings: FuseSettings, ctx) -> El
 @register_pass("fuse-torch", default=True)
 def fuse_torch(program: Element, *, backend: Any = "inductor", mode: str | None = None,
                options: Mapping | None = None, dynamic: bool | None = False, form: str = "auto",
-               background: bool = True, trials: int = 10, margin: float = 0.02, max_compiles: int = 4,
-               compile_after: float = 20.0, payback: float = 20.0) -> Element:
+               background: bool = True, compile_in: str = "process", trials: int = 10, margin: float = 0.02,
+               max_compiles: int = 4, compile_after: float = 20.0, payback: float = 20.0) -> Element:
     """Fuse runs of two or more consecutive torch CALLs in a SEQ into one torch.compile'd step."""
     settings = FuseSettings.make(options, backend=backend, mode=mode, dynamic=dynamic, form=form,
-                                 background=background, trials=trials, margin=margin, max_compiles=max_compiles,
-                                 compile_after=compile_after, payback=payback)
+                                 background=background, compile_in=compile_in, trials=trials, margin=margin,
+                                 max_compiles=max_compiles, compile_after=compile_after, payback=payback)
     if "torch" not in sys.modules and not _any_marked(program):
         return program
     ctx = current_context()

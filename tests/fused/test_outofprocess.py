@@ -1,0 +1,186 @@
+"""A background compile of a step over plain tensors runs in a child process (AOTInductor): the program's
+interpreter never imports or runs the compiler; anything the child refuses compiles on the thread instead."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import cloudpickle
+import psutil
+import pytest
+import torch
+
+import flowvm
+from flowvm import CALL, REPEAT, SEQ, Registers
+from flowvm.fused import outofprocess, runtime
+from flowvm.passes.fuse_torch import fuse_torch
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+
+
+def chain(n, x=None):
+    reg = Registers(x=torch.linspace(-2, 2, 64) if x is None else x)
+    ops = [torch.sin, torch.exp, torch.tanh, torch.sigmoid]
+    body = SEQ([CALL(op, reg("x" if i == 0 else "h"), store_to=reg("h")) for i, op in enumerate(ops)])
+    return REPEAT(n, body), reg
+
+
+def python_env() -> dict:
+    """The environment for a fresh interpreter that imports flowvm the way this one does."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
+
+def test_a_plain_tensor_step_compiles_in_a_child_process_and_the_program_never_imports_the_compiler():
+    script = textwrap.dedent(f"""
+        import json, sys, threading, time
+        import torch
+        from flowvm import CALL, LOOP, SEQ, Registers
+        from flowvm.fused import outofprocess
+        from flowvm.passes.fuse_torch import fuse_torch
+        reg = Registers(x=torch.linspace(-2, 2, 64))
+        ops = [torch.sin, torch.exp, torch.tanh, torch.sigmoid]
+        body = SEQ([CALL(op, reg("x" if i == 0 else "h"), store_to=reg("h")) for i, op in enumerate(ops)])
+        fast = fuse_torch(LOOP(body), compile_after=0)
+        drv = fast.start()
+        rt = fast.body.runtime()
+        drv.run(max_steps=5)
+        header = fast.body.header_text()
+        deadline = time.time() + 240
+        while rt._direct is None and rt.refused is None and time.time() < deadline:
+            drv.run(max_steps=20)
+            time.sleep(0.05)
+        drv.run(max_steps=20000)  # the trial: both forms timed, one kept
+        expected = torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"]))))
+        print(json.dumps({{
+            "header_while_compiling": header, "header": fast.body.header_text(), "hits": rt.hits,
+            "refused": rt.refused, "close": bool(torch.allclose(reg["h"], expected, rtol=1e-5, atol=1e-6)),
+            "compiler_imported": [m for m in ("torch._dynamo", "torch._inductor", "torch._inductor.compile_fx")
+                                  if m in sys.modules],
+            "threads": sorted(t.name for t in threading.enumerate()), "children": len(outofprocess._children)}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=python_env(),
+                         timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "in another process" in got["header_while_compiling"]
+    assert got["refused"] is None and got["hits"] > 0 and got["close"]
+    assert "measured compiled" in got["header"]
+    assert got["compiler_imported"] == []  # neither dynamo nor inductor ran in the program's process
+    assert "flowvm-compile" not in got["threads"] and got["children"] == 0
+
+
+def test_the_child_refuses_a_graph_the_direct_form_would_refuse_and_says_why(tmp_path):
+    def head(r0):
+        v = torch.relu_(r0)  # in-place: the caller's tensor changes
+        return (v,)
+
+    job = {"head": head, "layouts": [((4,), (1,), torch.float32)], "options": {}, "threads": 1}
+    (tmp_path / "job.pkl").write_bytes(cloudpickle.dumps(job))
+    out = subprocess.run([sys.executable, "-m", "flowvm.fused.outofprocess", str(tmp_path)], capture_output=True,
+                         text=True, env=python_env(), timeout=120)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "in-place or view op" in json.loads(out.stdout.strip().splitlines()[-1])["refused"]
+    assert not (tmp_path / outofprocess.PACKAGE).exists()
+
+
+def test_a_step_the_child_refuses_compiles_on_the_thread_instead(monkeypatch):
+    class Refusing:
+        def __init__(self, head, args, options, on_done):
+            on_done(None, "aten.relu_.default: in-place or view op")
+
+    asked = []
+    monkeypatch.setattr(outofprocess, "Compile", Refusing)
+    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
+    fast, reg = chain(20)
+    fast = fuse_torch(fast, compile_after=0, payback=0)
+    fast.run()
+    rt = fast.body.runtime()
+    assert rt.refused == "aten.relu_.default: in-place or view op" and rt.compiles == 0
+    assert asked  # the thread's compile was asked for next (its imports first)
+    assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
+
+
+def test_a_head_that_does_not_pickle_compiles_on_the_thread(monkeypatch):
+    import threading
+
+    lock = threading.Lock()
+
+    def locked_sin(x, _lock=lock):  # a lock among its defaults: cloudpickle refuses it
+        return torch.sin(x)
+
+    asked = []
+    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
+    reg = Registers(x=torch.ones(4))
+    from flowvm.passes.fuse_torch import fusable
+
+    prog = REPEAT(5, SEQ([CALL(fusable(locked_sin), reg("x"), store_to=reg("y")),
+                          CALL(torch.cos, reg("y"), store_to=reg("y"))]))
+    fast = fuse_torch(prog, compile_after=0, payback=0)
+    fast.run()
+    rt = fast.body.runtime()
+    assert rt.refused is not None and "pickle" in rt.refused.lower() and asked
+
+
+@pytest.mark.parametrize("case", ["module", "tensor constant", "needs grad", "module method", "compile_in thread"])
+def test_what_stays_on_the_thread(case):
+    x = torch.ones(4)
+    reg = Registers(x=x)
+    calls = [CALL(torch.sin, reg("x")), CALL(torch.cos, reg("x"))]
+    args = (x,)
+    assert outofprocess.eligible(calls, args)
+    if case == "module":
+        calls = [CALL(torch.nn.ReLU(), reg("x")), CALL(torch.cos, reg("x"))]
+    elif case == "tensor constant":
+        calls = [CALL(torch.add, reg("x"), torch.ones(4)), CALL(torch.cos, reg("x"))]
+    elif case == "needs grad":
+        args = (torch.ones(4, requires_grad=True),)
+    elif case == "module method":
+        calls = [CALL(torch.nn.Linear(4, 4).forward, reg("x")), CALL(torch.cos, reg("x"))]
+    if case == "compile_in thread":
+        with pytest.raises(ValueError, match="compile_in"):
+            fuse_torch(chain(2)[0], compile_in="elsewhere")
+        fast = fuse_torch(chain(2)[0], compile_in="thread")
+        assert fast.body.settings.compile_in == "thread" and "compile_in='thread'" in flowvm.to_source(fast)
+        return
+    assert not outofprocess.eligible(calls, args)
+
+
+def test_a_program_that_ends_leaves_no_compile_running(tmp_path):
+    script = textwrap.dedent("""
+        import torch
+        from flowvm import CALL, REPEAT, SEQ, Registers
+        from flowvm.fused import outofprocess
+        from flowvm.passes.fuse_torch import fuse_torch
+        reg = Registers(x=torch.ones(8))
+        fast = fuse_torch(REPEAT(50, SEQ([CALL(torch.sin, reg("x"), store_to=reg("x")),
+                                          CALL(torch.cos, reg("x"), store_to=reg("x"))])),
+                          compile_after=0, payback=0)
+        fast.run()
+        import time
+        deadline = time.time() + 30
+        while not outofprocess._children and time.time() < deadline:
+            time.sleep(0.01)
+        print(*(p.pid for p in outofprocess._children), flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=python_env(),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pids = [int(p) for p in out.stdout.split()]
+    assert pids  # a compile was under way when the program ended
+    import time
+
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in pids)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
