@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import cloudpickle
 import psutil
 import pytest
 import torch
@@ -19,7 +18,7 @@ from flowvm import CALL, REPEAT, SEQ, Registers
 from flowvm.fused import outofprocess, runtime
 from flowvm.passes.fuse_torch import fuse_torch
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+F = torch.nn.functional
 
 
 def chain(n, x=None):
@@ -78,9 +77,8 @@ def test_the_child_refuses_a_graph_the_direct_form_would_refuse_and_says_why(tmp
         v = torch.relu_(r0)  # in-place: the caller's tensor changes
         return (v,)
 
-    job = {"head": head, "layouts": [((4,), (1,), torch.float32)], "options": {}, "threads": 1}
-    (tmp_path / "job.pkl").write_bytes(cloudpickle.dumps(job))
-    out = subprocess.run([sys.executable, "-m", "flowvm.fused.outofprocess", str(tmp_path)], capture_output=True,
+    (tmp_path / "job.pkl").write_bytes(outofprocess.job_payload(head, (torch.ones(4),), {}))
+    out = subprocess.run([sys.executable, "-c", outofprocess.CHILD, str(tmp_path)], capture_output=True,
                          text=True, env=python_env(), timeout=120)
     assert out.returncode == 3, out.stderr[-2000:]
     assert "in-place or view op" in json.loads(out.stdout.strip().splitlines()[-1])["refused"]
@@ -104,34 +102,31 @@ def test_a_step_the_child_refuses_compiles_on_the_thread_instead(monkeypatch):
     assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
 
 
-def test_a_head_that_does_not_pickle_compiles_on_the_thread(monkeypatch):
-    import threading
-
-    lock = threading.Lock()
-
-    def locked_sin(x, _lock=lock):  # a lock among its defaults: cloudpickle refuses it
-        return torch.sin(x)
-
+def test_a_head_whose_pickle_carries_data_compiles_on_the_thread(monkeypatch):
     asked = []
     monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
-    reg = Registers(x=torch.ones(4))
-    from flowvm.passes.fuse_torch import fusable
-
-    prog = REPEAT(5, SEQ([CALL(fusable(locked_sin), reg("x"), store_to=reg("y")),
-                          CALL(torch.cos, reg("y"), store_to=reg("y"))]))
-    fast = fuse_torch(prog, compile_after=0, payback=0)
+    monkeypatch.setattr(outofprocess, "MAX_JOB_BYTES", 10)
+    fast, reg = chain(5)
+    fast = fuse_torch(fast, compile_after=0, payback=0)
     fast.run()
     rt = fast.body.runtime()
-    assert rt.refused is not None and "pickle" in rt.refused.lower() and asked
+    assert rt.refused is not None and "carries data" in rt.refused and asked and not outofprocess._children
 
 
-@pytest.mark.parametrize("case", ["module", "tensor constant", "needs grad", "module method", "compile_in thread"])
+def user_sin(x):
+    return torch.sin(x)
+
+
+@pytest.mark.parametrize("case", ["module", "tensor constant", "needs grad", "module method", "user function",
+                                  "bound tensor method", "compile_in thread"])
 def test_what_stays_on_the_thread(case):
     x = torch.ones(4)
     reg = Registers(x=x)
     calls = [CALL(torch.sin, reg("x")), CALL(torch.cos, reg("x"))]
     args = (x,)
     assert outofprocess.eligible(calls, args)
+    assert outofprocess.eligible([CALL(torch.Tensor.add, reg("x"), 1.0), CALL(F.relu, reg("x")),
+                                  CALL(torch.ops.aten.cos.default, reg("x"))], args)
     if case == "module":
         calls = [CALL(torch.nn.ReLU(), reg("x")), CALL(torch.cos, reg("x"))]
     elif case == "tensor constant":
@@ -140,6 +135,10 @@ def test_what_stays_on_the_thread(case):
         args = (torch.ones(4, requires_grad=True),)
     elif case == "module method":
         calls = [CALL(torch.nn.Linear(4, 4).forward, reg("x")), CALL(torch.cos, reg("x"))]
+    elif case == "user function":  # it may read state of this process the child would not see
+        calls = [CALL(user_sin, reg("x")), CALL(torch.cos, reg("x"))]
+    elif case == "bound tensor method":
+        calls = [CALL(torch.ones(4).add, reg("x")), CALL(torch.cos, reg("x"))]
     if case == "compile_in thread":
         with pytest.raises(ValueError, match="compile_in"):
             fuse_torch(chain(2)[0], compile_in="elsewhere")
@@ -184,3 +183,37 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.parametrize("wrong", ["values", "dtype"])
+def test_a_graph_compiled_elsewhere_is_checked_against_eager_on_its_first_call(monkeypatch, wrong):
+    class Wrong:  # a package that computes something else than the step
+        def __init__(self, head, args, options, on_done):
+            def run(inputs):
+                out = list(head(*inputs))
+                return [o + 1 if wrong == "values" else o.double() for o in out]
+
+            on_done(run, None)
+
+    monkeypatch.setattr(outofprocess, "Compile", Wrong)
+    fast, reg = chain(30)
+    fast = fuse_torch(fast, compile_after=0, payback=0)
+    with pytest.warns(flowvm.FusionWarning, match="disagrees with eager"):
+        fast.run()
+    rt = fast.body.runtime()
+    assert rt.state == "failed" and rt.hits == 1
+    assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
+
+
+def test_the_torch_settings_that_change_results_travel_with_the_job():
+    import pickle
+
+    before, x = torch.get_default_dtype(), torch.ones(2)
+    torch.set_default_dtype(torch.float64)
+    try:
+        job = pickle.loads(outofprocess.job_payload(torch.sin, (x,), {}))
+    finally:
+        torch.set_default_dtype(before)
+    assert job["default_dtype"] is torch.float64
+    assert job["matmul_precision"] == torch.get_float32_matmul_precision()
+    assert job["layouts"] == [((2,), (1,), torch.float32)]

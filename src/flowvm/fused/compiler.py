@@ -231,15 +231,52 @@ def _direct_caller(rt: Runtime, kernel: Callable, first: bool) -> Callable:
         "        except Exception as err:",
         f"            return rt._direct_failed(err, {args})",
     ]
-    if first:
-        lines.append("        after_first(rt, compiled_call)")
-    lines += [f"        return {result}", f"    return general(rt, {args})"]
+    lines.append(f"        return after_first(rt, compiled_call, out, {args})" if first else f"        return {result}")
+    lines.append(f"    return general(rt, {args})")
     exec(compile("\n".join(lines) + "\n", f"<flowvm FUSED direct {id(rt.el):x}>", "exec"), ns)
     return ns["compiled_call"]
 
 
-def _after_first_direct_call(rt: Runtime, old: Callable) -> None:
-    """After the graph's wrapper ran once: call its bare callable from now on (when it has one)."""
+def _after_first_direct_call(rt: Runtime, old: Callable, out: Any, *args: Any) -> Any:
+    """The step's result after the graph's wrapper ran once (out: the graph's); from now on its bare
+    callable runs (when it has one).  A graph compiled elsewhere (flowvm/fused/outofprocess.py) is checked
+    against eager on this first call: the same types, dtypes and shapes, values equal to float rounding;
+    else the step runs eagerly for good."""
+    if rt._verify:
+        rt._verify = False
+        mismatch = _mismatch(out, rt.generated.head(*_head_args(rt, args)))
+        if mismatch is not None:
+            return rt._direct_failed(RuntimeError(f"the compiled step disagrees with eager: {mismatch}"), *args)
+    _install_bare(rt, old)
+    tail = rt.generated.tail
+    return out if tail is None else tail(out, *args)
+
+
+def _head_args(rt: Runtime, args: tuple) -> tuple:
+    pos = rt.generated.head_positions
+    return args if pos is None else tuple(args[k] for k in pos)
+
+
+def _mismatch(got: Any, want: Any) -> str | None:
+    import torch
+
+    if len(got) != len(want):
+        return f"{len(got)} results, not {len(want)}"
+    for k, (g, w) in enumerate(zip(got, want)):
+        if not isinstance(g, torch.Tensor) or g.dtype != w.dtype or g.shape != w.shape:
+            return (f"result {k} is {getattr(g, 'dtype', type(g).__name__)} {tuple(getattr(g, 'shape', ()))}, "
+                    f"eager gives {w.dtype} {tuple(w.shape)}")
+        if g.is_floating_point() or g.is_complex():
+            eps = torch.finfo(g.dtype).eps
+            same = torch.allclose(g, w, rtol=max(1e-4, 16 * eps), atol=max(1e-5, 16 * eps), equal_nan=True)
+        else:
+            same = torch.equal(g, w)
+        if not same:
+            return f"result {k} differs from eager"
+    return None
+
+
+def _install_bare(rt: Runtime, old: Callable) -> None:
     _, fn, bare = rt._direct
     new = _direct_caller(rt, bare if bare is not None else fn, first=False)
     rt._compiled_call = new

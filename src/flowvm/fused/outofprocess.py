@@ -7,8 +7,7 @@ long.  A head over plain CPU tensors (the *direct* form's kind, see ``compiler._
 nothing from the program's process but its function and its inputs' layouts, so it compiles elsewhere:
 
 - the parent pickles the head function (cloudpickle) and its inputs' layouts, never their values;
-- a child ``python -m flowvm.fused.outofprocess DIR`` (at a lower CPU priority, exiting if the parent
-  dies) traces it on zero tensors of those layouts, checks the graph as the direct form does
+- a child python process running ``main`` (at a lower CPU priority, exiting if the parent dies) traces it on zero tensors of those layouts, checks the graph as the direct form does
   (``plain_graph``), exports it and writes an AOTInductor package;
 - the parent loads the package with torch's C++ loader (a few milliseconds: neither dynamo nor inductor
   is imported in the program's process) and calls it behind the direct form's layout check.
@@ -31,11 +30,26 @@ import threading
 from typing import Any, Callable
 
 MAX_JOB_BYTES = 1 << 20   # a head whose pickle is larger carries data: it compiles on the thread
+TIMEOUT = 900.0           # seconds; a compile running longer is stopped (and the step compiles on the thread)
 PACKAGE = "step.pt2"
 _children: set[subprocess.Popen] = set()
 _children_lock = threading.Lock()
+_workdirs: set[str] = set()
 # compiles running at once: each takes a core and about 1 GB; the program keeps at least one core
 _slots = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) - 1))
+
+
+def _forget_after_fork() -> None:
+    """A forked child owns none of its parent's compiles."""
+    global _children_lock, _slots
+    _children_lock = threading.Lock()
+    _slots = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) - 1))
+    _children.clear()
+    _workdirs.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def plain_graph(gm: Any) -> str | None:
@@ -63,14 +77,15 @@ def plain_graph(gm: Any) -> str | None:
 
 def eligible(calls: Any, args: tuple) -> bool:
     """Whether a head with these calls and inputs may compile out of process: every input a plain CPU
-    tensor needing no gradient, and no module and no tensor among the calls' functions and constants (a
-    compiled package would hold copies of them)."""
+    tensor needing no gradient, every function torch's own (a user's function may read tensors or settings
+    of the program's process that the child would not see, or see as they were at import), and no tensor
+    or module among the calls' constants (a compiled package would hold copies of them)."""
     import torch
 
     from ..program.registers import Register
 
-    if not hasattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader"):
-        return False  # a torch without AOTInductor packages
+    if not hasattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader") or getattr(sys, "frozen", False):
+        return False  # a torch without AOTInductor packages; an application whose executable is not python
     if not args or not all(type(a) is torch.Tensor and not a.requires_grad and a.device.type == "cpu"
                            for a in args):
         return False
@@ -87,12 +102,51 @@ def eligible(calls: Any, args: tuple) -> bool:
         return False
 
     for call in calls:
-        owner = getattr(call.fn, "__self__", None)
-        if isinstance(call.fn, torch.nn.Module) or isinstance(owner, (torch.nn.Module, torch.Tensor)):
+        if not _torch_function(call.fn):
             return False
         if holds_state(list(call.args)) or holds_state(dict(call.kwargs)):
             return False
     return True
+
+
+def _torch_function(fn: Any) -> bool:
+    """A function of torch itself (``torch.sin``, ``torch.nn.functional.relu``, ``torch.Tensor.add``, an
+    ``OpOverload``), not bound to an object: no state of the program's process behind it."""
+    import types
+
+    import torch
+
+    if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return True
+    if not isinstance(fn, (types.BuiltinFunctionType, types.FunctionType, types.MethodDescriptorType,
+                           types.WrapperDescriptorType)):
+        return False
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, types.ModuleType):
+        return False  # a bound method: its object is state
+    module = getattr(fn, "__module__", None) or getattr(owner, "__name__", None) or ""
+    if isinstance(fn, (types.MethodDescriptorType, types.WrapperDescriptorType)):
+        return getattr(fn, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase)
+    return module == "torch" or module.startswith(("torch.", "torch._C"))
+
+
+def job_payload(head: Callable, args: tuple, options: dict) -> bytes:
+    """The child's job: the head, its inputs' layouts, the compiler's options and the torch settings that
+    change what the head computes (raises when the head does not pickle, or pickles with data)."""
+    import cloudpickle
+    import torch
+
+    layouts = [(tuple(a.shape), tuple(a.stride()), a.dtype) for a in args]
+    job = {"head": head, "layouts": layouts, "options": dict(options), "threads": torch.get_num_threads(),
+           "default_dtype": torch.get_default_dtype(), "matmul_precision": torch.get_float32_matmul_precision(),
+           "deterministic": torch.are_deterministic_algorithms_enabled()}
+    payload = cloudpickle.dumps(job)
+    if len(payload) > MAX_JOB_BYTES:
+        raise ValueError(f"the fused step's pickle is {len(payload)} bytes (it carries data)")
+    return payload
+
+
+CHILD = "import sys; from flowvm.fused.outofprocess import main; sys.exit(main(sys.argv[1:]))"
 
 
 class Compile:
@@ -100,23 +154,17 @@ class Compile:
     package's ``run`` (a list of input tensors to a list of output tensors) or with the reason it failed."""
 
     def __init__(self, head: Callable, args: tuple, options: dict, on_done: Callable[[Any, str | None], None]):
-        import cloudpickle
-        import torch
-
-        layouts = [(tuple(a.shape), tuple(a.stride()), a.dtype) for a in args]
-        job = {"head": head, "layouts": layouts, "options": dict(options), "threads": torch.get_num_threads()}
-        self.payload = cloudpickle.dumps(job)  # raises for a head that does not pickle: the caller falls back
-        if len(self.payload) > MAX_JOB_BYTES:
-            raise ValueError(f"the fused step's pickle is {len(self.payload)} bytes (it carries data)")
+        self.payload = job_payload(head, args, options)  # raises when the head does not pickle: no compile
         self.on_done = on_done
         self.proc: subprocess.Popen | None = None
         self.thread = threading.Thread(target=self._run, name="flowvm-aot", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        workdir = tempfile.mkdtemp(prefix="flowvm-aot-")
-        run, error = None, "the compile process did not start"
+        run, error, workdir = None, "the compile process did not start", None
         try:
+            workdir = tempfile.mkdtemp(prefix="flowvm-aot-")
+            _workdirs.add(workdir)
             with open(os.path.join(workdir, "job.pkl"), "wb") as f:
                 f.write(self.payload)
             env = dict(os.environ)
@@ -124,13 +172,19 @@ class Compile:
                                                 [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
             with _slots:
                 with _children_lock:
-                    self.proc = subprocess.Popen([sys.executable, "-m", "flowvm.fused.outofprocess", workdir],
+                    self.proc = subprocess.Popen([sys.executable, "-c", CHILD, workdir],
                                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                                  stderr=subprocess.PIPE, env=env)
                     _children.add(self.proc)
-                out, err = self.proc.communicate()
-                with _children_lock:
-                    _children.discard(self.proc)
+                try:
+                    out, err = self.proc.communicate(timeout=TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    out, err = self.proc.communicate()
+                    err += f"\ngave up after {TIMEOUT:g} s".encode()
+                finally:
+                    with _children_lock:
+                        _children.discard(self.proc)
             package = os.path.join(workdir, PACKAGE)
             if self.proc.returncode == 0 and os.path.exists(package):
                 import torch
@@ -142,22 +196,27 @@ class Compile:
                 reason = json.loads(lines[-1]).get("refused") if lines and lines[-1].startswith("{") else None
                 tail = err.decode(errors="replace").strip().splitlines()
                 error = reason or (tail[-1] if tail else f"exit status {self.proc.returncode}")
-        except Exception as exc:  # loading, or starting the process
+        except BaseException as exc:  # noqa: B036 - anything at all: the step must not stay "compiling"
             run, error = None, f"{type(exc).__name__}: {exc}"
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        self.on_done(run, error)
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+                _workdirs.discard(workdir)
+            self.on_done(run, error)
 
 
 @atexit.register
 def _stop_children() -> None:
-    """A program that ends leaves no compile running."""
+    """A program that ends leaves no compile running, and none of their files."""
     with _children_lock:
         for proc in list(_children):
             try:
                 proc.kill()
-            except OSError:
+                proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
                 pass
+    for workdir in list(_workdirs):
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _exit_with_parent() -> None:
@@ -188,6 +247,9 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(workdir, "job.pkl"), "rb") as f:
         job = pickle.load(f)
     torch.set_num_threads(job["threads"])
+    torch.set_default_dtype(job["default_dtype"])
+    torch.set_float32_matmul_precision(job["matmul_precision"])
+    torch.use_deterministic_algorithms(job["deterministic"])
     head = job["head"]
     args = tuple(torch.empty_strided(shape, stride, dtype=dtype).zero_() for shape, stride, dtype in job["layouts"])
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -209,6 +271,3 @@ def main(argv: list[str]) -> int:
     print(json.dumps({"ok": True}))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

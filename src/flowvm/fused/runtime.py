@@ -91,6 +91,7 @@ class Runtime:
         self._runonly: Callable | None = None
         self._direct: tuple | None = None  # (input layouts, compiled graph, its bare callable): _direct_compile
         self.refused: str | None = None    # why the out-of-process compile did not give a graph (see _out_of_process)
+        self._verify = False               # check the direct graph's first call against eager
         self.current: Callable = self.eager if self.state == "eager" else self._first
 
     # -- the leaf the driver calls
@@ -413,16 +414,20 @@ class Runtime:
         start = time.perf_counter()
 
         def done(run, error):
-            if run is not None:
-                self._direct = (layouts, run, run)
-                self.compile_seconds.append(time.perf_counter() - start)
-                compiler_seconds.append(self.compile_seconds[-1])
-                self._job_done = True
-            else:
-                self.refused = error or "no package"
-                self.compiles -= 1
-                self._waiting = True  # the next execution starts the thread's compile
-            self._job_running = False
+            try:
+                if run is not None:
+                    self._direct = (layouts, run, run)
+                    self._verify = True  # the first call is checked against eager (_after_first_direct_call)
+                    self.compile_seconds.append(time.perf_counter() - start)
+                    compiler_seconds.append(self.compile_seconds[-1])
+            finally:
+                self._job_running = False
+                if run is not None:
+                    self._job_done = True
+                else:
+                    self.refused = error or "no package"
+                    self.compiles -= 1
+                    self._waiting = True  # the next execution starts the thread's compile
 
         self.compiles += 1
         self._waiting, self._job_running = False, True
