@@ -164,18 +164,21 @@ def test_a_program_that_ends_leaves_no_compile_running(tmp_path):
         while not outofprocess._children and time.time() < deadline:
             time.sleep(0.01)
         print(*(p.pid for p in outofprocess._children), flush=True)
+        print(*outofprocess._workdirs, flush=True)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=python_env(),
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    pids = [int(p) for p in out.stdout.split()]
-    assert pids  # a compile was under way when the program ended
+    lines = out.stdout.strip().splitlines()
+    pids, workdirs = [int(p) for p in lines[-2].split()], lines[-1].split()
+    assert pids and workdirs  # a compile was under way when the program ended
     import time
 
     deadline = time.time() + 10
     while time.time() < deadline and any(_running(pid) for pid in pids):
         time.sleep(0.1)
     assert not any(_running(pid) for pid in pids)
+    assert not any(os.path.exists(w) for w in workdirs)  # and its files are gone
 
 
 def _running(pid: int) -> bool:
