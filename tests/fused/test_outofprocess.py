@@ -188,24 +188,78 @@ def _running(pid: int) -> bool:
         return False
 
 
+class Eager:
+    """Stands in for a compile in a child process: its "package" computes the head eagerly, changed by wrong."""
+
+    wrong = None
+
+    def __init__(self, head, args, options, on_done):
+        def run(inputs):
+            out = list(head(*inputs))
+            if Eager.wrong == "values":
+                return [o + 1 for o in out]
+            return [o.double() for o in out] if Eager.wrong == "dtype" else out
+
+        on_done(run, None)
+
+
 @pytest.mark.parametrize("wrong", ["values", "dtype"])
-def test_a_graph_compiled_elsewhere_is_checked_against_eager_on_its_first_call(monkeypatch, wrong):
-    class Wrong:  # a package that computes something else than the step
-        def __init__(self, head, args, options, on_done):
-            def run(inputs):
-                out = list(head(*inputs))
-                return [o + 1 if wrong == "values" else o.double() for o in out]
-
-            on_done(run, None)
-
-    monkeypatch.setattr(outofprocess, "Compile", Wrong)
+def test_a_graph_compiled_elsewhere_that_disagrees_with_eager_is_dropped_for_the_threads_compile(monkeypatch,
+                                                                                                 wrong):
+    asked = []
+    monkeypatch.setattr(Eager, "wrong", wrong)
+    monkeypatch.setattr(outofprocess, "Compile", Eager)
+    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
     fast, reg = chain(30)
     fast = fuse_torch(fast, compile_after=0, payback=0)
-    with pytest.warns(flowvm.FusionWarning, match="disagrees with eager"):
-        fast.run()
+    fast.run()
     rt = fast.body.runtime()
-    assert rt.state == "failed" and rt.hits == 1
+    assert rt.refused.startswith("its first result differs from eager's") and rt._direct is None
+    assert asked and rt.hits == 0 and rt.state == "compiling"
     assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
+
+
+@pytest.mark.parametrize("other", ["negative view", "autocast", "new shape"])
+def test_the_compiled_package_runs_only_for_the_inputs_it_was_built_for(monkeypatch, other):
+    asked = []
+    monkeypatch.setattr(outofprocess, "Compile", Eager)
+    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
+    fast, reg = chain(1)
+    fast = fuse_torch(fast.body, compile_after=0, payback=0, form="compiled")
+    rt = fast.runtime()
+    fast.run()  # starts the (stand-in) compile
+    fast.run()  # runs the package
+    assert rt.hits == 1 and rt.refused is None and not asked
+    x = reg["x"]
+    if other == "negative view":
+        reg["x"] = torch._neg_view(x.neg())  # the same values, with a lazy negation
+        fast.run()
+    elif other == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fast.run()
+    else:
+        reg["x"] = torch.linspace(-2, 2, 65)
+        fast.run()
+    assert rt.hits == 1 and asked  # eager, and a compile on the thread asked for
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=other == "autocast"):
+        expected = torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"]))))
+    assert torch.equal(reg["h"], expected)
+
+
+@pytest.mark.parametrize("kind", ["nested", "sparse", "negative view", "conjugate"])
+def test_inputs_a_package_cannot_take_compile_on_the_thread_without_an_error(monkeypatch, kind):
+    x = {"nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+         "sparse": lambda: torch.eye(3).to_sparse(),
+         "negative view": lambda: torch._neg_view(torch.ones(3)),
+         "conjugate": lambda: torch.ones(3, dtype=torch.complex64).conj()}[kind]()
+    assert not outofprocess.plain_tensor(x)
+    asked = []
+    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
+    reg = Registers(x=x)
+    fast = fuse_torch(REPEAT(3, SEQ([CALL(torch.mul, reg("x"), 2, store_to=reg("h")),
+                                      CALL(torch.mul, reg("h"), 3, store_to=reg("h"))])), compile_after=0, payback=0)
+    fast.run()
+    assert asked and fast.body.runtime().compiles == 0
 
 
 def test_the_torch_settings_that_change_results_travel_with_the_job():

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .codegen import _barrier_index
 from .isolation import isolate_random_state, isolate_tracing
-from .outofprocess import plain_graph
+from .outofprocess import plain_graph, plain_tensor
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -167,7 +167,7 @@ def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
     s = rt.settings
     if s.backend != "inductor" or s.mode not in (None, "default") or s.dynamic or inference:
         return None
-    if not args or not all(type(a) is torch.Tensor and not a.requires_grad for a in args):
+    if not args or not all(plain_tensor(a) for a in args):
         return None
     gen = rt.generated
     calls = rt.el.calls if gen.tail is None else rt.el.calls[:_barrier_index(rt.el.calls)]
@@ -213,13 +213,16 @@ def _direct_caller(rt: Runtime, kernel: Callable, first: bool) -> Callable:
     params = [f"a{k}" for k in range(n)]
     head = params if gen.head_positions is None else [params[k] for k in gen.head_positions]
     ns: dict[str, Any] = {"rt": rt, "kernel": kernel, "tail": gen.tail, "general": type(rt)._compiled_call,
-                          "after_first": _after_first_direct_call}
-    checks = []
+                          "after_first": _after_first_direct_call, "strided": torch.strided,
+                          "autocast": torch._C._is_any_autocast_enabled}
+    checks = ["not autocast()"]  # compiled without autocast: under it, eager computes in other dtypes
     for k, (name, (cls, dtype, device, shape, stride)) in enumerate(zip(head, layouts)):
         ns.update({f"c{k}": cls, f"d{k}": dtype, f"s{k}": shape, f"t{k}": stride, f"v{k}": device})
         where = f"{name}.is_cpu" if device == torch.device("cpu") else f"{name}.device == v{k}"
+        lazy = f"not {name}.is_neg()" + (f" and not {name}.is_conj()" if dtype.is_complex else "")
         checks.append(f"type({name}) is c{k} and {name}.dtype is d{k} and not {name}.requires_grad "
-                      f"and {name}.shape == s{k} and {name}.stride() == t{k} and {where}")
+                      f"and {name}.shape == s{k} and {name}.stride() == t{k} and {where} "
+                      f"and {name}.layout is strided and {lazy}")
     args = ", ".join(params)
     result = "out" if gen.tail is None else f"tail(out, {args})"
     lines = [
@@ -241,12 +244,12 @@ def _after_first_direct_call(rt: Runtime, old: Callable, out: Any, *args: Any) -
     """The step's result after the graph's wrapper ran once (out: the graph's); from now on its bare
     callable runs (when it has one).  A graph compiled elsewhere (flowvm/fused/outofprocess.py) is checked
     against eager on this first call: the same types, dtypes and shapes, values equal to float rounding;
-    else the step runs eagerly for good."""
+    else it is dropped and the step compiles on the thread (Runtime._reject_direct)."""
     if rt._verify:
         rt._verify = False
         mismatch = _mismatch(out, rt.generated.head(*_head_args(rt, args)))
         if mismatch is not None:
-            return rt._direct_failed(RuntimeError(f"the compiled step disagrees with eager: {mismatch}"), *args)
+            return rt._reject_direct(f"its first result differs from eager's ({mismatch})", *args)
     _install_bare(rt, old)
     tail = rt.generated.tail
     return out if tail is None else tail(out, *args)

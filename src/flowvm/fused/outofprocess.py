@@ -75,6 +75,15 @@ def plain_graph(gm: Any) -> str | None:
     return None
 
 
+def plain_tensor(a: Any) -> bool:
+    """A dense tensor (not a subclass, sparse or nested) that needs no gradient and has no lazy negation
+    or conjugation: what the direct form and a compiled package take."""
+    import torch
+
+    return (type(a) is torch.Tensor and a.layout is torch.strided and not a.is_nested and not a.requires_grad
+            and not a.is_neg() and not a.is_conj())
+
+
 def eligible(calls: Any, args: tuple) -> bool:
     """Whether a head with these calls and inputs may compile out of process: every input a plain CPU
     tensor needing no gradient, every function torch's own (a user's function may read tensors or settings
@@ -86,8 +95,7 @@ def eligible(calls: Any, args: tuple) -> bool:
 
     if not hasattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader") or getattr(sys, "frozen", False):
         return False  # a torch without AOTInductor packages; an application whose executable is not python
-    if not args or not all(type(a) is torch.Tensor and not a.requires_grad and a.device.type == "cpu"
-                           for a in args):
+    if not args or not all(plain_tensor(a) and a.device.type == "cpu" for a in args):
         return False
 
     def holds_state(value: Any) -> bool:

@@ -251,6 +251,20 @@ class Runtime:
         self._give_up(err)
         return out
 
+    def _reject_direct(self, reason: str, *args):
+        """A graph compiled out of process gave another first result than eager (float rounding in a
+        reduction can do that, as can a setting the child did not have): drop it; the thread compiles
+        the step next (its dynamo guards see every setting).  These inputs run eagerly."""
+        self.refused = reason
+        self._direct = None
+        self.__dict__.pop("_compiled_call", None)
+        self.compiles -= 1
+        self.hits -= 1  # counted by the direct call
+        self.periods, self._last = {"eager": [], "compiled": []}, None
+        self._waiting = True
+        self.state, self.current, self._chosen = "compiling", self._warming, self.eager
+        return self.eager(*args)
+
     def _missed(self, args) -> None:
         """The compiled code's guards rejected these inputs and they ran eagerly: compile for them too."""
         if self._job_running or self.compiles >= self.settings.max_compiles or self.error is not None:
@@ -403,8 +417,17 @@ class Runtime:
 
         s = self.settings
         if (s.compile_in != "process" or s.backend != "inductor" or s.mode not in (None, "default") or s.dynamic
-                or self._direct is not None or self.refused is not None or torch.is_inference_mode_enabled()):
+                or self._direct is not None or self.refused is not None or torch.is_inference_mode_enabled()
+                or torch._C._is_any_autocast_enabled()):
             return False
+        try:
+            return self._start_out_of_process(args)
+        except Exception as err:  # an input torch cannot describe, say: the thread compiles
+            self.refused = f"{type(err).__name__}: {err}"
+            return False
+
+    def _start_out_of_process(self, args) -> bool:
+        s = self.settings
         gen = self.generated
         head_args = tuple(args) if gen.head_positions is None else tuple(args[k] for k in gen.head_positions)
         calls = self.el.calls if gen.tail is None else self.el.calls[:_barrier_index(self.el.calls)]
