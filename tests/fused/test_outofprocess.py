@@ -274,3 +274,32 @@ def test_the_torch_settings_that_change_results_travel_with_the_job():
     assert job["default_dtype"] is torch.float64
     assert job["matmul_precision"] == torch.get_float32_matmul_precision()
     assert job["layouts"] == [((2,), (1,), torch.float32)]
+
+
+def test_a_process_forked_while_a_compile_runs_compiles_on_its_thread_instead(monkeypatch):
+    class Pending:  # a compile in a child process that has not finished when the program forks
+        def __init__(self, head, args, options, on_done):
+            pass
+
+    asked = []
+    monkeypatch.setattr(outofprocess, "Compile", Pending)
+    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
+    fast, reg = chain(10)
+    fast = fuse_torch(fast, compile_after=0, payback=0)
+    drv = fast.start()
+    drv.run(max_steps=3)
+    rt = fast.body.runtime()
+    assert rt._job_running and rt.state == "compiling" and not asked
+    pid = os.fork()
+    if pid == 0:  # the forked process: its step must not wait for a result that only its parent gets
+        ok = False
+        try:
+            drv.run()
+            ok = (rt.refused == "the process forked while its compile ran" and asked and not rt._job_running
+                  and torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"]))))))
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    drv.run()  # the parent still waits for its own compile
+    assert rt._job_running and rt.refused is None and not asked

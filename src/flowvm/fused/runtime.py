@@ -34,6 +34,7 @@ faster by more than ``margin``).  The decision shows in the element's header.
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -92,6 +93,7 @@ class Runtime:
         self._direct: tuple | None = None  # (input layouts, compiled graph, its bare callable): _direct_compile
         self.refused: str | None = None    # why the out-of-process compile did not give a graph (see _out_of_process)
         self._verify = False               # check the direct graph's first call against eager
+        self._job_pid: int | None = None   # the process whose child compiles the step (_out_of_process)
         self.current: Callable = self.eager if self.state == "eager" else self._first
 
     # -- the leaf the driver calls
@@ -172,6 +174,8 @@ class Runtime:
         return self.eager(*args)
 
     def _warming(self, *args):
+        if self._job_pid is not None and self._job_pid != os.getpid():
+            self._orphaned()
         if self._waiting:
             self._start_compile(args)
         if self._job_done:
@@ -326,6 +330,9 @@ class Runtime:
         if form != "compiled":
             raise ValueError(f"force: form must be 'eager' or 'compiled', got {form!r}")
         while self._job_running:
+            if self._job_pid is not None and self._job_pid != os.getpid():
+                self._orphaned()
+                break
             time.sleep(0.01)
         if self.hits == 0 and self.compiles == 0:
             if example is None:
@@ -426,6 +433,16 @@ class Runtime:
             self.refused = f"{type(err).__name__}: {err}"
             return False
 
+    def _orphaned(self) -> None:
+        """This process was forked from the one whose child process compiles the step: the result will
+        never arrive here, so the thread compiles it."""
+        self._job_pid = None
+        if self._job_running:
+            self._job_running = False
+            self.refused = "the process forked while its compile ran"
+            self.compiles -= 1
+            self._waiting = True
+
     def _start_out_of_process(self, args) -> bool:
         s = self.settings
         gen = self.generated
@@ -444,7 +461,7 @@ class Runtime:
                     self.compile_seconds.append(time.perf_counter() - start)
                     compiler_seconds.append(self.compile_seconds[-1])
             finally:
-                self._job_running = False
+                self._job_running, self._job_pid = False, None
                 if run is not None:
                     self._job_done = True
                 else:
@@ -453,13 +470,13 @@ class Runtime:
                     self._waiting = True  # the next execution starts the thread's compile
 
         self.compiles += 1
-        self._waiting, self._job_running = False, True
+        self._waiting, self._job_running, self._job_pid = False, True, os.getpid()
         try:
             outofprocess.Compile(gen.head, head_args, dict(s.options), done)
         except Exception as err:  # the head does not pickle, or carries data
             self.refused = f"{type(err).__name__}: {err}"
             self.compiles -= 1
-            self._job_running = False
+            self._job_running, self._job_pid = False, None
             return False
         return True
 
