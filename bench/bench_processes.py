@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -114,22 +115,31 @@ def round_trip(executor, n: int) -> dict:
             "executor_ms_median": statistics.median(raw) * 1e3, "executor_ms_best": min(raw) * 1e3}
 
 
-def dask_round_trip(n: int) -> dict | None:
+@contextlib.contextmanager
+def dask_executor():
+    """An executor on a Dask LocalCluster of two one-thread worker processes on 127.0.0.1 (None without
+    Dask); the cluster closes after the block."""
     try:
         import distributed
     except ImportError:
-        return None
+        yield None
+        return
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
                                        dashboard_address=None)
     client = distributed.Client(cluster)
     try:
-        ex = client.get_executor()
-        warm(ex, 2)
-        row = round_trip(ex, n)
+        yield client.get_executor()
     finally:
         client.close()
         cluster.close()
-    return row
+
+
+def dask_round_trip(n: int) -> dict | None:
+    with dask_executor() as ex:
+        if ex is None:
+            return None
+        warm(ex, 2)
+        return round_trip(ex, n)
 
 
 # --------------------------------------------------------------------------- 2. speed-up

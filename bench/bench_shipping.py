@@ -130,17 +130,12 @@ def payloads(n: int) -> list[dict]:
 
 def dask_trip(n: int) -> dict | None:
     """Section 2b: SPAWN round trip with its code shipped, on a Dask LocalCluster."""
-    try:
-        import distributed
-    except ImportError:
-        return None
+    from bench_processes import dask_executor
     from flowvm import CALL, SPAWN, Registers
 
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                                       dashboard_address=None)
-    client = distributed.Client(cluster)
-    try:
-        ex = client.get_executor()
+    with dask_executor() as ex:
+        if ex is None:
+            return None
         reg = Registers(x=-1)
         prog = SPAWN(CALL(local_code, reg("x"), store_to=reg("y")), executor=ex)
         for _ in range(10):
@@ -154,9 +149,6 @@ def dask_trip(n: int) -> dict | None:
             t0 = perf_counter()
             prog.run()
             spawn.append(perf_counter() - t0)
-    finally:
-        client.close()
-        cluster.close()
     return {"n": n, "spawn_ms_median": statistics.median(spawn) * 1e3,
             "executor_ms_median": statistics.median(raw) * 1e3}
 

@@ -28,6 +28,14 @@ def chain(n, x=None):
     return REPEAT(n, body), reg
 
 
+@pytest.fixture
+def asked(monkeypatch) -> list:
+    """The compiles asked of the compile thread (its compiler imports checked first; never started here)."""
+    calls: list = []
+    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: calls.append(names) or False)
+    return calls
+
+
 def python_env() -> dict:
     """The environment for a fresh interpreter that imports flowvm the way this one does."""
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -85,14 +93,12 @@ def test_the_child_refuses_a_graph_the_direct_form_would_refuse_and_says_why(tmp
     assert not (tmp_path / outofprocess.PACKAGE).exists()
 
 
-def test_a_step_the_child_refuses_compiles_on_the_thread_instead(monkeypatch):
+def test_a_step_the_child_refuses_compiles_on_the_thread_instead(monkeypatch, asked):
     class Refusing:
         def __init__(self, head, args, options, on_done):
             on_done(None, "aten.relu_.default: in-place or view op")
 
-    asked = []
     monkeypatch.setattr(outofprocess, "Compile", Refusing)
-    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
     fast, reg = chain(20)
     fast = fuse_torch(fast, compile_after=0, payback=0)
     fast.run()
@@ -102,9 +108,7 @@ def test_a_step_the_child_refuses_compiles_on_the_thread_instead(monkeypatch):
     assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
 
 
-def test_a_head_whose_pickle_carries_data_compiles_on_the_thread(monkeypatch):
-    asked = []
-    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
+def test_a_head_whose_pickle_carries_data_compiles_on_the_thread(monkeypatch, asked):
     monkeypatch.setattr(outofprocess, "MAX_JOB_BYTES", 10)
     fast, reg = chain(5)
     fast = fuse_torch(fast, compile_after=0, payback=0)
@@ -204,12 +208,10 @@ class Eager:
 
 
 @pytest.mark.parametrize("wrong", ["values", "dtype"])
-def test_a_graph_compiled_elsewhere_that_disagrees_with_eager_is_dropped_for_the_threads_compile(monkeypatch,
+def test_a_graph_compiled_elsewhere_that_disagrees_with_eager_is_dropped_for_the_threads_compile(monkeypatch, asked,
                                                                                                  wrong):
-    asked = []
     monkeypatch.setattr(Eager, "wrong", wrong)
     monkeypatch.setattr(outofprocess, "Compile", Eager)
-    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
     fast, reg = chain(30)
     fast = fuse_torch(fast, compile_after=0, payback=0)
     fast.run()
@@ -220,10 +222,8 @@ def test_a_graph_compiled_elsewhere_that_disagrees_with_eager_is_dropped_for_the
 
 
 @pytest.mark.parametrize("other", ["negative view", "autocast", "new shape"])
-def test_the_compiled_package_runs_only_for_the_inputs_it_was_built_for(monkeypatch, other):
-    asked = []
+def test_the_compiled_package_runs_only_for_the_inputs_it_was_built_for(monkeypatch, asked, other):
     monkeypatch.setattr(outofprocess, "Compile", Eager)
-    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
     fast, reg = chain(1)
     fast = fuse_torch(fast.body, compile_after=0, payback=0, form="compiled")
     rt = fast.runtime()
@@ -247,14 +247,12 @@ def test_the_compiled_package_runs_only_for_the_inputs_it_was_built_for(monkeypa
 
 
 @pytest.mark.parametrize("kind", ["nested", "sparse", "negative view", "conjugate"])
-def test_inputs_a_package_cannot_take_compile_on_the_thread_without_an_error(monkeypatch, kind):
+def test_inputs_a_package_cannot_take_compile_on_the_thread_without_an_error(monkeypatch, asked, kind):
     x = {"nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
          "sparse": lambda: torch.eye(3).to_sparse(),
          "negative view": lambda: torch._neg_view(torch.ones(3)),
          "conjugate": lambda: torch.ones(3, dtype=torch.complex64).conj()}[kind]()
     assert not outofprocess.plain_tensor(x)
-    asked = []
-    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
     reg = Registers(x=x)
     fast = fuse_torch(REPEAT(3, SEQ([CALL(torch.mul, reg("x"), 2, store_to=reg("h")),
                                       CALL(torch.mul, reg("h"), 3, store_to=reg("h"))])), compile_after=0, payback=0)
@@ -276,14 +274,12 @@ def test_the_torch_settings_that_change_results_travel_with_the_job():
     assert job["layouts"] == [((2,), (1,), torch.float32)]
 
 
-def test_a_process_forked_while_a_compile_runs_compiles_on_its_thread_instead(monkeypatch):
+def test_a_process_forked_while_a_compile_runs_compiles_on_its_thread_instead(monkeypatch, asked):
     class Pending:  # a compile in a child process that has not finished when the program forks
         def __init__(self, head, args, options, on_done):
             pass
 
-    asked = []
     monkeypatch.setattr(outofprocess, "Compile", Pending)
-    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: asked.append(names) or False)
     fast, reg = chain(10)
     fast = fuse_torch(fast, compile_after=0, payback=0)
     drv = fast.start()

@@ -535,8 +535,7 @@ class Runtime:
             return (f"eager; compiles once it has run {self.settings.compile_after:g} s "
                     f"({self._eager_seconds:.1f} s so far)")
         if self.state == "compiling":
-            if self._job_running and self._direct is None and self._runonly is None and self.refused is None \
-                    and self.settings.compile_in == "process":
+            if self._job_pid is not None:  # an out-of-process compile under way
                 return "compiling in the background (in another process), eager meanwhile"
             return "compiling in the background, eager meanwhile"
         if self.state == "trial":
