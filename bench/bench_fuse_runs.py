@@ -17,11 +17,12 @@ program with the interpreted one, in interleaved rounds:
 - what the fused step did (its header: compiled, or why it stayed eager).
 
 Cases: the d2l MLP's training step (SGD) and its inference, 300 and 20,000 iterations, default options;
-the 10-op elementwise chain with a compile forced to start at once (``compile_after=0, payback=0``) over a
-long run, to show the program's pace while the compiler imports and compiles in the background: in a child
-process (the default for such a step, "start-at-once") and on the compile thread ("at-once-thread",
-``compile_in="thread"``); and that chain's steady state, compiled (forced, compiled before timing) against
-interpreted (target: at least 2x).
+the 10-op elementwise chain and the MLP's training step with a compile forced to start at once
+(``compile_after=0, payback=0``) over a long run, to show the program's pace while the compiler imports and
+compiles in the background: in a child process (the default, "start-at-once") and on the compile thread
+("at-once-thread", ``compile_in="thread"``); and the chain's steady state, compiled (forced, compiled before
+timing) against interpreted (target: at least 2x).  ``--only train/start-at-once`` (case/mode, repeatable)
+runs some rows only.
 Figures are reported, never asserted; JSON goes to bench/results/fuse_runs.json.
 """
 
@@ -117,6 +118,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke test)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, quick 1)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--only", action="append", default=[], metavar="CASE/MODE",
+                        help="run only these rows (e.g. chain/start-at-once); repeatable")
     parser.add_argument("--child", nargs=3, metavar=("CASE", "MODE", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -128,7 +131,9 @@ def main(argv=None) -> int:
     plan = ([("train", "default", 300), ("infer", "default", 300), ("chain", "compiled", 3000)] if args.quick else
             [("train", "default", 300), ("train", "default", 20000), ("infer", "default", 300),
              ("infer", "default", 20000), ("chain", "start-at-once", 1500000), ("chain", "at-once-thread", 1500000),
-             ("chain", "compiled", 100000)])
+             ("chain", "compiled", 100000), ("train", "start-at-once", 100000), ("train", "at-once-thread", 100000)])
+    if args.only:
+        plan = [row for row in plan if f"{row[0]}/{row[1]}" in args.only]
     rows = [compare(case, mode, n, rounds) for case, mode, n in plan]
     print(f"{'case':8s} {'options':14s} {'iterations':>10s} {'optimized/interpreted':>22s} "
           f"{'worst 100 ms window':>20s} {'windows > 1.5x':>15s} {'(interpreted run)':>18s}")

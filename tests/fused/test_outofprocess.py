@@ -15,7 +15,7 @@ import torch
 
 import flowvm
 from flowvm import CALL, REPEAT, SEQ, Registers
-from flowvm.fused import outofprocess, runtime
+from flowvm.fused import checks, outofprocess, runtime
 from flowvm.passes.fuse_torch import fuse_torch
 
 F = torch.nn.functional
@@ -95,7 +95,7 @@ def test_the_child_refuses_a_graph_the_direct_form_would_refuse_and_says_why(tmp
 
 def test_a_step_the_child_refuses_compiles_on_the_thread_instead(monkeypatch, asked):
     class Refusing:
-        def __init__(self, head, args, options, on_done):
+        def __init__(self, payload, load, on_done):
             on_done(None, "aten.relu_.default: in-place or view op")
 
     monkeypatch.setattr(outofprocess, "Compile", Refusing)
@@ -109,7 +109,7 @@ def test_a_step_the_child_refuses_compiles_on_the_thread_instead(monkeypatch, as
 
 
 def test_a_head_whose_pickle_carries_data_compiles_on_the_thread(monkeypatch, asked):
-    monkeypatch.setattr(outofprocess, "MAX_JOB_BYTES", 10)
+    monkeypatch.setattr(checks, "MAX_JOB_BYTES", 10)
     fast, reg = chain(5)
     fast = fuse_torch(fast, compile_after=0, payback=0)
     fast.run()
@@ -197,7 +197,11 @@ class Eager:
 
     wrong = None
 
-    def __init__(self, head, args, options, on_done):
+    def __init__(self, payload, load, on_done):
+        import pickle
+
+        head = pickle.loads(payload)["head"]
+
         def run(inputs):
             out = list(head(*inputs))
             if Eager.wrong == "values":
@@ -276,7 +280,7 @@ def test_the_torch_settings_that_change_results_travel_with_the_job():
 
 def test_a_process_forked_while_a_compile_runs_compiles_on_its_thread_instead(monkeypatch, asked):
     class Pending:  # a compile in a child process that has not finished when the program forks
-        def __init__(self, head, args, options, on_done):
+        def __init__(self, payload, load, on_done):
             pass
 
     monkeypatch.setattr(outofprocess, "Compile", Pending)

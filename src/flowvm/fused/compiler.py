@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .codegen import _barrier_index
 from .isolation import isolate_random_state, isolate_tracing
-from .outofprocess import plain_graph, plain_tensor
+from .checks import mismatch, plain_graph, plain_tensor
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -223,6 +223,10 @@ def _direct_caller(rt: Runtime, kernel: Callable, first: bool) -> Callable:
         checks.append(f"type({name}) is c{k} and {name}.dtype is d{k} and not {name}.requires_grad "
                       f"and {name}.shape == s{k} and {name}.stride() == t{k} and {where} "
                       f"and {name}.layout is strided and {lazy}")
+    stateful = getattr(kernel, "ready", None) is not None  # flowvm/fused/stateful.py: modules' state too
+    if stateful:
+        ns["ready"] = kernel.ready
+        checks.append("(S := ready()) is not None")
     args = ", ".join(params)
     result = "out" if gen.tail is None else f"tail(out, {args})"
     lines = [
@@ -230,7 +234,7 @@ def _direct_caller(rt: Runtime, kernel: Callable, first: bool) -> Callable:
         f"    if {' and '.join(checks) or 'True'}:",
         "        rt.hits += 1",
         "        try:",
-        f"            out = kernel([{', '.join(head)}])",
+        f"            out = kernel({'S, ' if stateful else ''}[{', '.join(head)}])",
         "        except Exception as err:",
         f"            return rt._direct_failed(err, {args})",
     ]
@@ -247,9 +251,12 @@ def _after_first_direct_call(rt: Runtime, old: Callable, out: Any, *args: Any) -
     else it is dropped and the step compiles on the thread (Runtime._reject_direct)."""
     if rt._verify:
         rt._verify = False
-        mismatch = _mismatch(out, rt.generated.head(*_head_args(rt, args)))
-        if mismatch is not None:
-            return rt._reject_direct(f"its first result differs from eager's ({mismatch})", *args)
+        eager = rt.generated.head(*_head_args(rt, args))
+        wrong = mismatch(out, eager)
+        if wrong is None and hasattr(rt._direct[1], "grad_mismatch"):
+            wrong = rt._direct[1].grad_mismatch(out, eager)
+        if wrong is not None:
+            return rt._reject_direct(f"its first result differs from eager's ({wrong})", *args)
     _install_bare(rt, old)
     tail = rt.generated.tail
     return out if tail is None else tail(out, *args)
@@ -258,25 +265,6 @@ def _after_first_direct_call(rt: Runtime, old: Callable, out: Any, *args: Any) -
 def _head_args(rt: Runtime, args: tuple) -> tuple:
     pos = rt.generated.head_positions
     return args if pos is None else tuple(args[k] for k in pos)
-
-
-def _mismatch(got: Any, want: Any) -> str | None:
-    import torch
-
-    if len(got) != len(want):
-        return f"{len(got)} results, not {len(want)}"
-    for k, (g, w) in enumerate(zip(got, want)):
-        if not isinstance(g, torch.Tensor) or g.dtype != w.dtype or g.shape != w.shape:
-            return (f"result {k} is {getattr(g, 'dtype', type(g).__name__)} {tuple(getattr(g, 'shape', ()))}, "
-                    f"eager gives {w.dtype} {tuple(w.shape)}")
-        if g.is_floating_point() or g.is_complex():
-            eps = torch.finfo(g.dtype).eps
-            same = torch.allclose(g, w, rtol=max(1e-4, 16 * eps), atol=max(1e-5, 16 * eps), equal_nan=True)
-        else:
-            same = torch.equal(g, w)
-        if not same:
-            return f"result {k} differs from eager"
-    return None
 
 
 def _install_bare(rt: Runtime, old: Callable) -> None:

@@ -29,7 +29,9 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-MAX_JOB_BYTES = 1 << 20   # a head whose pickle is larger carries data: it compiles on the thread
+from . import checks
+from .checks import aoti_available, holds_state, plain_graph, plain_tensor, settings, torch_function
+
 TIMEOUT = 900.0           # seconds; a compile running longer is stopped (and the step compiles on the thread)
 PACKAGE = "step.pt2"
 _children: set[subprocess.Popen] = set()
@@ -52,117 +54,59 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def plain_graph(gm: Any) -> str | None:
-    """Why a graph traced by ``make_fx`` is not a plain tensor function (None when it is): its results are
-    tensors computed from the inputs, with no input handed back, no in-place, view or random op."""
-    import torch
-
-    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    results = out_node.args[0]
-    if not isinstance(results, (tuple, list)) or not all(
-            isinstance(r, torch.fx.Node) and isinstance(r.meta.get("val"), torch.Tensor) for r in results):
-        return "a result that is not a tensor"
-    if any(r.op == "placeholder" for r in results):
-        return "an input handed back as it is (aliased)"
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
-            return f"{node.target}: in-place or view op"
-        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-            return f"{node.target}: random numbers (inductor draws them differently from eager)"
-    return None
-
-
-def plain_tensor(a: Any) -> bool:
-    """A dense tensor (not a subclass, sparse or nested) that needs no gradient and has no lazy negation
-    or conjugation: what the direct form and a compiled package take."""
-    import torch
-
-    return (type(a) is torch.Tensor and a.layout is torch.strided and not a.is_nested and not a.requires_grad
-            and not a.is_neg() and not a.is_conj())
-
-
 def eligible(calls: Any, args: tuple) -> bool:
-    """Whether a head with these calls and inputs may compile out of process: every input a plain CPU
-    tensor needing no gradient, every function torch's own (a user's function may read tensors or settings
-    of the program's process that the child would not see, or see as they were at import), and no tensor
-    or module among the calls' constants (a compiled package would hold copies of them)."""
-    import torch
-
-    from ..program.registers import Register
-
-    if not hasattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader") or getattr(sys, "frozen", False):
-        return False  # a torch without AOTInductor packages; an application whose executable is not python
+    """Whether a head with these calls and inputs may compile out of process as a plain function: every
+    input a plain CPU tensor needing no gradient, every function torch's own (a user's function may read
+    tensors or settings of the program's process that the child would not see, or see as they were at
+    import), and no tensor or module among the calls' constants (a compiled package would hold copies of
+    them).  Steps calling modules are the stateful kind (flowvm/fused/stateful.py)."""
+    if not aoti_available():
+        return False
     if not args or not all(plain_tensor(a) and a.device.type == "cpu" for a in args):
         return False
-
-    def holds_state(value: Any) -> bool:
-        if isinstance(value, Register):
-            return False
-        if isinstance(value, (torch.Tensor, torch.nn.Module)):
-            return True
-        if isinstance(value, (list, tuple, set, frozenset)):
-            return any(holds_state(v) for v in value)
-        if isinstance(value, dict):
-            return any(holds_state(k) or holds_state(v) for k, v in value.items())
-        return False
-
     for call in calls:
-        if not _torch_function(call.fn):
+        if not torch_function(call.fn):
             return False
         if holds_state(list(call.args)) or holds_state(dict(call.kwargs)):
             return False
     return True
 
 
-def _torch_function(fn: Any) -> bool:
-    """A function of torch itself (``torch.sin``, ``torch.nn.functional.relu``, ``torch.Tensor.add``, an
-    ``OpOverload``), not bound to an object: no state of the program's process behind it."""
-    import types
-
-    import torch
-
-    if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return True
-    if not isinstance(fn, (types.BuiltinFunctionType, types.FunctionType, types.MethodDescriptorType,
-                           types.WrapperDescriptorType)):
-        return False
-    owner = getattr(fn, "__self__", None)
-    if owner is not None and not isinstance(owner, types.ModuleType):
-        return False  # a bound method: its object is state
-    module = getattr(fn, "__module__", None) or getattr(owner, "__name__", None) or ""
-    if isinstance(fn, (types.MethodDescriptorType, types.WrapperDescriptorType)):
-        return getattr(fn, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase)
-    return module == "torch" or module.startswith(("torch.", "torch._C"))
-
-
 def job_payload(head: Callable, args: tuple, options: dict) -> bytes:
     """The child's job: the head, its inputs' layouts, the compiler's options and the torch settings that
     change what the head computes (raises when the head does not pickle, or pickles with data)."""
     import cloudpickle
-    import torch
 
     layouts = [(tuple(a.shape), tuple(a.stride()), a.dtype) for a in args]
-    job = {"head": head, "layouts": layouts, "options": dict(options), "threads": torch.get_num_threads(),
-           "default_dtype": torch.get_default_dtype(), "matmul_precision": torch.get_float32_matmul_precision(),
-           "deterministic": torch.are_deterministic_algorithms_enabled()}
-    payload = cloudpickle.dumps(job)
-    if len(payload) > MAX_JOB_BYTES:
+    job = {"kind": "plain", "head": head, "layouts": layouts, "options": dict(options), **settings()}
+    return cloudpickle.dumps(job)
+
+
+def sized(payload: bytes) -> bytes:
+    """The job, unless its pickle is so large that it carries data (raises)."""
+    if len(payload) > checks.MAX_JOB_BYTES:
         raise ValueError(f"the fused step's pickle is {len(payload)} bytes (it carries data)")
     return payload
+
+
+def load_plain(workdir: str) -> Callable:
+    """The package of a plain job: a list of input tensors to a list of output tensors."""
+    import torch
+
+    return torch._C._aoti.AOTIModelPackageLoader(os.path.join(workdir, PACKAGE), "model", False, 1, -1).run
 
 
 CHILD = "import sys; from flowvm.fused.outofprocess import main; sys.exit(main(sys.argv[1:]))"
 
 
 class Compile:
-    """One out-of-process compile under way.  ``on_done(run, error)`` is called on a waiter thread with the
-    package's ``run`` (a list of input tensors to a list of output tensors) or with the reason it failed."""
+    """One out-of-process compile of a job (``job_payload``, ``stateful.payload``) under way.  ``on_done(run,
+    error)`` is called on a waiter thread with what ``load(workdir)`` made of the child's files, or with the
+    reason it failed."""
 
-    def __init__(self, head: Callable, args: tuple, options: dict, on_done: Callable[[Any, str | None], None]):
-        self.payload = job_payload(head, args, options)  # raises when the head does not pickle: no compile
+    def __init__(self, payload: bytes, load: Callable[[str], Any], on_done: Callable[[Any, str | None], None]):
+        self.payload = payload
+        self.load = load
         self.on_done = on_done
         self.proc: subprocess.Popen | None = None
         self.thread = threading.Thread(target=self._run, name="flowvm-aot", daemon=True)
@@ -193,12 +137,8 @@ class Compile:
                 finally:
                     with _children_lock:
                         _children.discard(self.proc)
-            package = os.path.join(workdir, PACKAGE)
-            if self.proc.returncode == 0 and os.path.exists(package):
-                import torch
-
-                loader = torch._C._aoti.AOTIModelPackageLoader(package, "model", False, 1, -1)
-                run, error = loader.run, None
+            if self.proc.returncode == 0:
+                run, error = self.load(workdir), None
             else:
                 lines = out.decode(errors="replace").strip().splitlines()
                 reason = json.loads(lines[-1]).get("refused") if lines and lines[-1].startswith("{") else None
@@ -258,6 +198,16 @@ def main(argv: list[str]) -> int:
     torch.set_default_dtype(job["default_dtype"])
     torch.set_float32_matmul_precision(job["matmul_precision"])
     torch.use_deterministic_algorithms(job["deterministic"])
+    if job["kind"] == "stateful":
+        from .stateful import Refused, compile_job
+
+        try:
+            compile_job(job, workdir)
+        except Refused as why:
+            print(json.dumps({"refused": str(why)}))
+            return 3
+        print(json.dumps({"ok": True}))
+        return 0
     head = job["head"]
     args = tuple(torch.empty_strided(shape, stride, dtype=dtype).zero_() for shape, stride, dtype in job["layouts"])
     from torch.fx.experimental.proxy_tensor import make_fx

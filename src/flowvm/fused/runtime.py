@@ -46,7 +46,7 @@ from typing import Any, Callable
 from ..base.errors import FusionWarning
 from ..base.errors import WarmedUp as _WarmedUp
 from ..machine.running import remaining_runs
-from . import outofprocess
+from . import outofprocess, stateful
 from .codegen import _barrier_index, generate, leaf_source
 from .compiler import (_compiler_ready, _direct_caller, _direct_compile, _inductor_after_tracing, _modules, _submit,
                        compile_estimate, program_ran, program_waits)
@@ -448,8 +448,20 @@ class Runtime:
         gen = self.generated
         head_args = tuple(args) if gen.head_positions is None else tuple(args[k] for k in gen.head_positions)
         calls = self.el.calls if gen.tail is None else self.el.calls[:_barrier_index(self.el.calls)]
-        if not outofprocess.eligible(calls, head_args):
-            return False
+        if outofprocess.eligible(calls, head_args):
+            plan = None
+            payload = outofprocess.job_payload(gen.head, head_args, dict(s.options))
+            load: Callable[[str], Any] = outofprocess.load_plain
+        else:
+            inputs = list(self.el.inputs) if gen.head_positions is None else [self.el.inputs[k]
+                                                                               for k in gen.head_positions]
+            plan = stateful.plan(calls, inputs, head_args)
+            if plan is None:
+                return False
+            payload = stateful.payload(plan, dict(s.options))
+
+            def load(workdir: str) -> Any:
+                return stateful.Kernel(plan, workdir)
         layouts = tuple((type(a), a.dtype, a.device, a.shape, a.stride()) for a in head_args)
         start = time.perf_counter()
 
@@ -471,13 +483,7 @@ class Runtime:
 
         self.compiles += 1
         self._waiting, self._job_running, self._job_pid = False, True, os.getpid()
-        try:
-            outofprocess.Compile(gen.head, head_args, dict(s.options), done)
-        except Exception as err:  # the head does not pickle, or carries data
-            self.refused = f"{type(err).__name__}: {err}"
-            self.compiles -= 1
-            self._job_running, self._job_pid = False, None
-            return False
+        outofprocess.Compile(outofprocess.sized(payload), load, done)
         return True
 
     def _backend(self) -> Callable:

@@ -1,0 +1,423 @@
+"""Compiling a fused step that calls torch modules (and may have a backward pass after it) in a child
+process: the *stateful* kind of flowvm/fused/outofprocess.py.
+
+A step such as ``zero_grad(); logits = net(x); loss = cross_entropy(logits, y)`` reads state of the program's
+process, the module's parameters and buffers, and its result is differentiated later (``loss.backward()``).
+It compiles out of process as torch.compile would compile it, with the state made explicit:
+
+- the parent (``plan``) lists the modules the step calls, each parameter and buffer once (``state``),
+  the modules' training flags and the grad mode, and pickles the step with every tensor replaced by an
+  empty one of its layout (``payload``): the job never carries the program's data;
+- the child (``compile_job``) makes the step a function of (state, inputs) by putting its arguments in
+  the modules' place (``torch.nn.utils.stateless``), traces it with AOTAutograd into a forward graph and,
+  when something needs a gradient, a backward graph, and builds an AOTInductor package of each;
+- the parent (``Kernel``) runs the zero_grad calls of the step, then the forward package inside a
+  ``torch.autograd.Function`` whose backward is the backward package, and hands back the step's results
+  (the same tensor where the step returned one tensor twice).
+
+Only torch's own code runs in the child: every module's ``forward`` comes from torch (``nn.Sequential``,
+``nn.Linear``, a subclass that does not override it...), and no module has hooks or parametrizations.
+Steps that mutate state (BatchNorm's running statistics in training), draw random numbers (dropout in
+training) or use tensor constants are refused, and compile on the thread.  Before each call the parent
+checks that every state tensor, training flag and the grad mode is as compiled (``Kernel.ready``); the
+first call is checked against eager, values and gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .checks import aoti_available, holds_state, mismatch, plain_tensor, settings, torch_function
+
+FORWARD, BACKWARD, META = "forward.pt2", "backward.pt2", "meta.json"
+
+
+@dataclass
+class Plan:
+    """What the parent knows of a stateful step (see the module's docstring)."""
+
+    head: Callable                       # the step without its zero_grad calls (what the child compiles)
+    pre: list[Callable]                  # the zero_grad calls, run eagerly before each compiled call
+    modules: list[Any]                   # the modules the step calls
+    state: list[Any]                     # each parameter and buffer once
+    where: list[list[tuple[Any, str, str]]]  # for each state tensor: (owner module, "_parameters"/"_buffers", name)
+    binds: list[dict[str, int]]          # for each module: its dotted names -> index in state
+    tree: list[Any]                      # every module and submodule (their training flags are checked)
+    grad: bool                           # grad mode when compiled
+    layouts: list[tuple] = field(default_factory=list)  # the step's inputs
+
+
+def _torch_code(fn: Any) -> bool:
+    return (getattr(fn, "__module__", None) or "").startswith("torch.")
+
+
+def _plain_module(module: Any) -> bool:
+    """Every submodule's forward is torch's own, with no hooks or parametrizations."""
+    import torch
+    from torch.nn.modules import module as nnmodule
+
+    if any(getattr(nnmodule, name, None) for name in (
+            "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+            "_global_backward_pre_hooks", "_global_module_registration_hooks",
+            "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")):
+        return False
+    for sub in module.modules():
+        if not _torch_code(type(sub).forward) or torch.nn.utils.parametrize.is_parametrized(sub):
+            return False
+        if type(sub).__call__ is not torch.nn.Module.__call__ or type(sub).__getattr__ is not torch.nn.Module.__getattr__:
+            return False
+        if any(getattr(sub, name, None) for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                      "_backward_pre_hooks")):
+            return False
+    return True
+
+
+def _zero_grad(call: Any) -> bool:
+    """A ``zero_grad()`` of an optimizer or a module, storing nothing: it only clears gradients, which the
+    step's forward pass does not read, so it runs eagerly before the compiled call."""
+    import torch
+
+    owner = getattr(call.fn, "__self__", None)
+    return (getattr(call.fn, "__name__", None) == "zero_grad" and isinstance(owner, (torch.optim.Optimizer,
+                                                                                    torch.nn.Module))
+            and call.store_to is None and not call.args and set(call.kwargs) <= {"set_to_none"}
+            and all(isinstance(v, bool) for v in call.kwargs.values()))
+
+
+def plan(calls: Any, inputs: list, args: tuple) -> Plan | None:
+    """The plan for compiling a head with these calls (inputs: its input registers, args: their values)
+    out of process, or None when it is not of the stateful kind."""
+    import types
+
+    import torch
+
+    from .codegen import generate
+
+    if not aoti_available() or not args or not all(plain_tensor(a) and a.device.type == "cpu" for a in args):
+        return None
+    if torch.is_inference_mode_enabled() or torch._C._is_any_autocast_enabled():
+        return None
+    modules: list[Any] = []
+    pre: list[Callable] = []
+    kept = []
+    for call in calls:
+        if _zero_grad(call):
+            pre.append(call.fn)
+            continue
+        if holds_state(list(call.args)) or holds_state(dict(call.kwargs)):
+            return None
+        if isinstance(call.fn, torch.nn.Module):
+            if not _plain_module(call.fn):
+                return None
+            if not any(m is call.fn for m in modules):
+                modules.append(call.fn)
+        elif not torch_function(call.fn):
+            return None
+        kept.append(call)
+    if not modules or not kept or _zero_grad(calls[-1]):
+        return None
+    state: list[Any] = []
+    where: list[list[tuple[Any, str, str]]] = []
+    binds: list[dict[str, int]] = []
+    for module in modules:
+        bind: dict[str, int] = {}
+        for kind, named in (("_parameters", module.named_parameters), ("_buffers", module.named_buffers)):
+            for dotted, tensor in named(remove_duplicate=False):
+                if tensor is None:
+                    continue
+                if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu" \
+                        or tensor.layout is not torch.strided or tensor.is_nested or tensor._backward_hooks:
+                    return None
+                owner_path, _, leaf = dotted.rpartition(".")
+                owner = module.get_submodule(owner_path) if owner_path else module
+                k = next((i for i, s in enumerate(state) if s is tensor), None)
+                if k is None:
+                    k = len(state)
+                    state.append(tensor)
+                    where.append([])
+                where[k].append((owner, kind, leaf))
+                bind[dotted] = k
+        binds.append(bind)
+    if not state:
+        return None
+    tree = [sub for m in modules for sub in m.modules()]
+    head = generate(types.SimpleNamespace(calls=kept, inputs=list(inputs), outputs=_written(kept))).fused
+    return Plan(head=head, pre=pre, modules=modules, state=state, where=where, binds=binds, tree=tree,
+                grad=torch.is_grad_enabled(), layouts=[(tuple(a.shape), tuple(a.stride()), a.dtype) for a in args])
+
+
+def _written(calls) -> list:
+    out: list = []
+    for c in calls:
+        if c.store_to is not None and all(r.name != c.store_to.name for r in out):
+            out.append(c.store_to)
+    return out
+
+
+def _stand_in(parameter: bool, shape: tuple, stride: tuple, dtype: Any, requires_grad: bool) -> Any:
+    import torch
+
+    t = torch.empty_strided(shape, stride, dtype=dtype).zero_()
+    return torch.nn.Parameter(t, requires_grad) if parameter else t.requires_grad_(requires_grad)
+
+
+def payload(p: Plan, options: dict) -> bytes:
+    """The child's job: the step and its modules with every tensor replaced by zeros of its layout (the
+    optimizers' states too), the state's order, the grad mode and the torch settings."""
+    import io
+
+    import cloudpickle
+    import torch
+
+    class StandIns(cloudpickle.CloudPickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, torch.Tensor):
+                return _stand_in, (isinstance(obj, torch.nn.Parameter), tuple(obj.shape), tuple(obj.stride()),
+                                   obj.dtype, obj.requires_grad)
+            return super().reducer_override(obj)
+
+    job = {"kind": "stateful", "head": p.head, "modules": p.modules, "state": p.state, "binds": p.binds,
+           "grad": p.grad, "layouts": p.layouts, "options": dict(options), **settings()}
+    buf = io.BytesIO()
+    StandIns(buf, protocol=5).dump(job)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- the child
+class Refused(Exception):
+    """The step is not of a kind the child compiles (the message says why)."""
+
+
+def compile_job(job: dict, workdir: str) -> None:
+    """Trace the stateful step of ``job`` with AOTAutograd and write its packages and meta to workdir
+    (raises Refused)."""
+    import torch
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    head, modules, binds, grad = job["head"], job["modules"], job["binds"], job["grad"]
+    n = len(job["state"])
+    inputs = [torch.empty_strided(shape, stride, dtype=dtype).zero_() for shape, stride, dtype in job["layouts"]]
+
+    def step(*a):
+        with contextlib.ExitStack() as stack:
+            for module, bind in zip(modules, binds):
+                stack.enter_context(_reparametrize_module(module, {k: a[i] for k, i in bind.items()},
+                                                          tie_weights=True, strict=False))
+            return head(*a[n:])
+
+    def fresh():
+        return [s.detach().clone().requires_grad_(s.requires_grad) for s in job["state"]] + [i.clone() for i in inputs]
+
+    with torch.set_grad_enabled(grad):
+        args = fresh()
+        outs = step(*args)
+    if not all(isinstance(o, torch.Tensor) for o in outs):
+        raise Refused("a result that is not a tensor")
+    uniq: list = []
+    index = []
+    for o in outs:
+        k = next((i for i, u in enumerate(uniq) if u is o), None)
+        if k is None:
+            k = len(uniq)
+            uniq.append(o)
+        index.append(k)
+    if any(u is a or u._base is not None for u in uniq for a in args):
+        raise Refused("a result that is an input or a view")
+    needs = [bool(u.requires_grad) for u in uniq]
+
+    def unique(*a):
+        o = step(*a)
+        seen: list = []
+        for t in o:
+            if not any(t is s for s in seen):
+                seen.append(t)
+        return tuple(seen)
+
+    graphs: dict[str, tuple] = {}
+
+    def capture(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = (gm, [(tuple(e.shape), tuple(e.stride()), e.dtype) for e in example_inputs])
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    traced = aot_function(unique, fw_compiler=capture("forward"), bw_compiler=capture("backward"),
+                          inference_compiler=capture("forward"), partition_fn=min_cut_rematerialization_partition)
+    with torch.set_grad_enabled(grad):
+        got = traced(*fresh())
+        if any(needs):
+            torch.autograd.backward([g for g, need in zip(got, needs) if need],
+                                    [torch.ones_like(g) for g, need in zip(got, needs) if need])
+    forward, forward_in = graphs["forward"]
+    backward, backward_in = graphs.get("backward", (None, None))
+    for gm in (forward, backward):
+        if gm is not None:
+            _check_graph(gm)
+    outputs = _output_nodes(forward)
+    if backward is not None:
+        tangents = sum(1 for node in backward.graph.nodes if node.op == "placeholder" and node.name.startswith("tangents"))
+        saved = len(backward_in) - tangents
+        if tangents != sum(needs):
+            raise Refused(f"{tangents} gradients for {sum(needs)} results that need one")
+    else:
+        saved = 0
+    if len(outputs) != len(uniq) + saved:
+        raise Refused("it mutates an input or a buffer (BatchNorm's running statistics in training, say)")
+    for node in outputs[:len(uniq)]:
+        if not isinstance(node, torch.fx.Node) or node.op == "placeholder" or _is_view(node):
+            raise Refused("a result that is an input or a view")
+    _package(forward, forward_in, os.path.join(workdir, FORWARD), job["options"])
+    if backward is not None:
+        _package(backward, backward_in, os.path.join(workdir, BACKWARD), job["options"])
+    meta = {"index": index, "needs": needs, "results": len(uniq), "saved": saved,
+            "backward_in": [[list(s), list(t)] for s, t, _ in backward_in] if backward is not None else None}
+    with open(os.path.join(workdir, META), "w") as f:
+        json.dump(meta, f)
+
+
+def _output_nodes(gm: Any) -> list:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return list(out.args[0])
+
+
+def _is_view(node: Any) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _check_graph(gm: Any) -> None:
+    import torch
+
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            raise Refused(f"a tensor constant ({node.target})")
+        if node.op == "call_function":
+            schema = getattr(node.target, "_schema", None)
+            if schema is not None and schema.is_mutable:
+                raise Refused(f"{node.target}: in-place op")
+            if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+                raise Refused(f"{node.target}: random numbers (dropout in training, say)")
+
+
+def _package(gm: Any, layouts: list, path: str, options: dict) -> None:
+    import torch
+
+    class Graph(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gm = gm
+
+        def forward(self, *a):
+            return tuple(self.gm(*a))
+
+    args = tuple(torch.empty_strided(shape, stride, dtype=dtype).zero_() for shape, stride, dtype in layouts)
+    exported = torch.export.export(Graph(), args, strict=False)
+    torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=options)
+
+
+# ---------------------------------------------------------------------------------------------- the parent
+def _loader(path: str) -> Any:
+    import torch
+
+    return torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
+
+
+class Kernel:
+    """The compiled step in the program's process: ``ready()`` gives the state to call it with (None when
+    a state tensor, a training flag or the grad mode is not as compiled), ``kernel(state, inputs)`` runs
+    the zero_grad calls and the packages and returns the step's results."""
+
+    def __init__(self, p: Plan, workdir: str):
+        import torch
+
+        with open(os.path.join(workdir, META)) as f:
+            meta = json.load(f)
+        self.plan = p
+        self.forward = _loader(os.path.join(workdir, FORWARD)).run
+        backward = os.path.join(workdir, BACKWARD)
+        self.backward = _loader(backward).run if meta["backward_in"] is not None else None
+        self.index = meta["index"]
+        self.results = meta["results"]
+        self.needs = meta["needs"]
+        self.expected = [(tuple(s), tuple(t)) for s, t in meta["backward_in"] or []]
+        self.ready = _ready(p)
+        kernel = self
+
+        class FusedStep(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *args):
+                outs = kernel.forward(list(args))
+                ctx.save_for_backward(*outs[kernel.results:])
+                ctx.mark_non_differentiable(*[o for o, need in zip(outs, kernel.needs) if not need])
+                return tuple(outs[:kernel.results])
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable  # a second backward raises, as in torch.compile
+            def backward(ctx, *grads):
+                given = list(ctx.saved_tensors) + [g for g, need in zip(grads, kernel.needs) if need]
+                for k, (g, (shape, stride)) in enumerate(zip(given, kernel.expected)):
+                    if g.stride() != stride:
+                        given[k] = torch.empty_strided(shape, stride, dtype=g.dtype).copy_(g)
+                return tuple(kernel.backward(given))
+
+        self.function = FusedStep
+
+    def __call__(self, state: list, inputs: list) -> tuple:
+        for fn in self.plan.pre:
+            fn()
+        if self.backward is None:
+            outs = self.forward(state + inputs)
+        else:
+            outs = self.function.apply(*state, *inputs)
+        return tuple(outs[k] for k in self.index)
+
+    def grad_mismatch(self, got: tuple, want: tuple) -> str | None:
+        """Whether the gradients of the state through the compiled results differ from eager's."""
+        import torch
+
+        if self.backward is None:
+            return None
+        params = [s for s in self.plan.state if s.requires_grad]
+
+        def grads(outs, retain):
+            used = [o for o in outs if o.requires_grad]
+            found = torch.autograd.grad(used, params, [torch.ones_like(o) for o in used], retain_graph=retain,
+                                        allow_unused=True)
+            return [torch.zeros_like(p) if g is None else g for p, g in zip(params, found)]
+
+        uniq = list({id(o): o for o in got}.values())
+        wrong = mismatch(grads(uniq, True), grads(list({id(o): o for o in want}.values()), False))
+        return None if wrong is None else f"gradients: {wrong}"
+
+
+def _ready(p: Plan) -> Callable[[], list | None]:
+    """A generated function reading the plan's state from its modules, checked against its layouts."""
+    import torch
+
+    ns: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled, "strided": torch.strided}
+    lines = ["def ready():"]
+    checks = [f"grad_enabled() is {p.grad}"]
+    for k, (tensor, places) in enumerate(zip(p.state, p.where)):
+        for j, (owner, kind, leaf) in enumerate(places):
+            ns[f"o{k}_{j}"] = getattr(owner, kind)
+            lines.append(f"    s{k}_{j} = o{k}_{j}.get({leaf!r})")
+            if j:
+                checks.append(f"s{k}_{j} is s{k}_0")
+        ns.update({f"c{k}": type(tensor), f"d{k}": tensor.dtype, f"h{k}": tensor.shape, f"t{k}": tensor.stride()})
+        checks.append(f"type(s{k}_0) is c{k} and s{k}_0.dtype is d{k} and s{k}_0.shape == h{k} "
+                      f"and s{k}_0.stride() == t{k} and s{k}_0.requires_grad is {tensor.requires_grad} "
+                      f"and s{k}_0.is_cpu and s{k}_0.layout is strided and not s{k}_0.is_neg()")
+    for k, module in enumerate(p.tree):
+        ns[f"m{k}"] = module
+        checks.append(f"m{k}.training is {bool(module.training)}")
+    lines.append(f"    if {' and '.join(checks)}:")
+    lines.append(f"        return [{', '.join(f's{k}_0' for k in range(len(p.state)))}]")
+    lines.append("    return None")
+    exec(compile("\n".join(lines) + "\n", "<flowvm FUSED state check>", "exec"), ns)
+    return ns["ready"]

@@ -1,0 +1,299 @@
+"""A fused step calling torch modules (a training step's forward pass, with the backward after it) compiles in
+a child process too: its parameters and buffers become the packages' inputs, a backward package computes
+their gradients, and anything the packages cannot do compiles on the thread instead."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from flowvm import CALL, REPEAT, SEQ, Registers
+from flowvm.fused import outofprocess, runtime, stateful
+from flowvm.passes.fuse_torch import fuse_torch
+
+
+F = torch.nn.functional
+
+
+def python_env() -> dict:
+    import os
+
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
+
+@pytest.fixture
+def asked(monkeypatch) -> list:
+    """The compiles asked of the compile thread (never started here)."""
+    calls: list = []
+    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: calls.append(names) or False)
+    return calls
+
+
+def mlp(*extra) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), *extra, torch.nn.Linear(16, 3))
+
+
+def step_calls(net, reg):
+    return [CALL(net, reg("x"), store_to=reg("logits")), CALL(F.cross_entropy, reg("logits"), reg("y"),
+                                                                store_to=reg("loss"))]
+
+
+def data():
+    g = torch.Generator().manual_seed(3)
+    return Registers(x=torch.randn(32, 8, generator=g), y=torch.randint(0, 3, (32,), generator=g))
+
+
+def plan_of(calls, reg, names=("x", "y")):
+    return stateful.plan(calls, [reg(n) for n in names], tuple(reg[n] for n in names))
+
+
+def test_a_training_step_with_modules_compiles_in_a_child_process_and_trains_as_eager_does():
+    script = textwrap.dedent("""
+        import copy, json, sys, threading, time
+        import torch
+        from sklearn.datasets import load_digits
+        from flowvm import CALL, REPEAT, SEQ, Registers
+        from flowvm.passes.fuse_torch import fuse_torch
+        F = torch.nn.functional
+        digits = load_digits()
+        x = torch.tensor(digits.data[:128], dtype=torch.float32) / 16
+        y = torch.tensor(digits.target[:128])
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+        ref = copy.deepcopy(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        reg = Registers(x=x, y=y)
+        done = []
+        opt.register_step_post_hook(lambda *a: done.append(1))
+        body = SEQ([CALL(opt.zero_grad), CALL(net, reg("x"), store_to=reg("logits")),
+                    CALL(F.cross_entropy, reg("logits"), reg("y"), store_to=reg("loss")),
+                    CALL(torch.Tensor.backward, reg("loss")), CALL(opt.step)])
+        fast = fuse_torch(REPEAT(10**9, body), compile_after=0, payback=0, form="compiled")
+        drv = fast.start()
+        el = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED")
+        rt = el.runtime()
+        drv.run(max_steps=5)
+        header = el.header_text()
+        deadline = time.time() + 240
+        while rt._direct is None and rt.refused is None and time.time() < deadline:
+            drv.run(max_steps=5)
+            time.sleep(0.05)
+        steps = drv.steps
+        drv.run(max_steps=steps + 5 * 200)  # 200 more updates, on the package
+        updates = len(done)
+        for _ in range(updates):
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+        with torch.no_grad():
+            infer = fuse_torch(REPEAT(400, SEQ([CALL(net, reg("x"), store_to=reg("logits")),
+                                                CALL(F.softmax, reg("logits"), dim=1, store_to=reg("p"))])),
+                               compile_after=0, payback=0, form="compiled")
+            inf_rt = next(e for _, e in infer.walk() if type(e).__name__ == "FUSED").runtime()
+            d2 = infer.start()
+            deadline = time.time() + 240
+            while inf_rt._direct is None and inf_rt.refused is None and time.time() < deadline:
+                d2.run(max_steps=2)
+                time.sleep(0.05)
+            d2.run()
+            p = reg["p"]
+            expected = F.softmax(net(x), dim=1)
+        print(json.dumps({
+            "header_while_compiling": header, "refused": rt.refused, "hits": rt.hits, "updates": updates,
+            "state": rt.state, "inference_refused": inf_rt.refused, "inference_hits": inf_rt.hits,
+            "inference_close": bool(torch.allclose(p, expected, atol=1e-6)),
+            "max_diff": max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters())),
+            "loss": float(reg["loss"]), "ref_loss": float(F.cross_entropy(ref(x), y)),
+            "threads": sorted(t.name for t in threading.enumerate())}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=python_env(),
+                         timeout=560)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "in another process" in got["header_while_compiling"]
+    assert got["refused"] is None and got["state"] == "compiled"
+    assert got["hits"] >= 200 and got["updates"] >= 200
+    assert got["max_diff"] < 1e-4, got  # the same training as torch's own eager loop
+    assert abs(got["loss"] - got["ref_loss"]) < 1e-4 and got["loss"] < 0.5
+    assert got["inference_refused"] is None and got["inference_hits"] > 0 and got["inference_close"]
+    assert "flowvm-compile" not in got["threads"]  # the compile thread never ran
+
+
+def test_the_plan_lists_each_parameter_once_with_where_it_lives():
+    net, reg = mlp(), data()
+    shared = torch.nn.Linear(8, 8)
+    twice = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)  # one Linear at two places
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    p = plan_of([CALL(opt.zero_grad)] + step_calls(net, reg), reg)
+    assert p.pre == [opt.zero_grad] and p.modules == [net] and p.grad
+    assert [id(s) for s in p.state] == [id(t) for t in net.parameters()]
+    assert p.binds == [{"0.weight": 0, "0.bias": 1, "2.weight": 2, "2.bias": 3}]
+    assert len(p.tree) == 4 and p.where[0] == [(net[0], "_parameters", "weight")]
+    q = plan_of([CALL(twice, reg("x"), store_to=reg("h")), CALL(torch.sum, reg("h"), store_to=reg("s"))], reg, ("x",))
+    assert len(q.state) == 2 and len(q.where[0]) == 2  # checked at both places before every call
+    zero_grad_last = step_calls(net, reg) + [CALL(opt.zero_grad)]
+    assert plan_of(zero_grad_last, reg) is None
+
+
+class Mine(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+
+    def forward(self, x):  # code of the user's: it may read anything of this process
+        return self.lin(x) * 2
+
+
+@pytest.mark.parametrize("case", ["user forward", "forward hook", "parametrized", "tensor constant", "user function",
+                                  "input needs grad", "no module", "sparse buffer"])
+def test_what_the_stateful_kind_leaves_to_the_thread(case):
+    net, reg = mlp(), data()
+    assert plan_of(step_calls(net, reg), reg) is not None
+    calls = step_calls(net, reg)
+    if case == "user forward":
+        calls = [CALL(Mine(), reg("x"), store_to=reg("logits"))] + calls[1:]
+    elif case == "forward hook":
+        net[0].register_forward_hook(lambda *a: None)
+    elif case == "parametrized":
+        torch.nn.utils.parametrizations.weight_norm(net[0])
+    elif case == "tensor constant":
+        calls = calls + [CALL(torch.add, reg("loss"), torch.ones(()), store_to=reg("loss"))]
+    elif case == "user function":
+        calls = calls + [CALL(lambda v: v * 2, reg("loss"), store_to=reg("loss"))]
+    elif case == "input needs grad":
+        reg["x"] = reg["x"].requires_grad_()
+    elif case == "no module":
+        calls = [CALL(torch.sin, reg("x"), store_to=reg("logits"))] + calls[1:]
+    else:
+        net[0].register_buffer("extra", torch.eye(3).to_sparse())
+    assert plan_of(calls, reg) is None
+
+
+def test_the_job_carries_layouts_not_data(tmp_path):
+    torch.manual_seed(0)
+    big = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.ReLU(), torch.nn.Linear(1000, 3))  # 16 MB
+    opt = torch.optim.SGD(big.parameters(), lr=0.1, momentum=0.9)
+    reg = Registers(x=torch.randn(4, 1000), y=torch.randint(0, 3, (4,)))
+    for _ in range(2):  # momentum buffers: as large as the parameters
+        opt.zero_grad()
+        F.cross_entropy(big(reg["x"]), reg["y"]).backward()
+        opt.step()
+    p = plan_of([CALL(opt.zero_grad)] + step_calls(big, reg), reg)
+    data_ = stateful.payload(p, {})
+    assert len(data_) < 64_000
+    job = pickle.loads(data_)
+    module = job["modules"][0]
+    assert job["kind"] == "stateful" and job["grad"] is True
+    assert module[0].weight is job["state"][0]  # the same tensor in the modules and in the state
+    assert isinstance(module[0].weight, torch.nn.Parameter) and module[0].weight.requires_grad
+    assert module[0].weight.shape == (1000, 1000) and not module[0].weight.any()
+    assert job["layouts"] == [((4, 1000), (1000, 1), torch.float32), ((4,), (1,), torch.int64)]
+
+
+@pytest.mark.parametrize("case", ["dropout", "batchnorm"])
+def test_the_child_refuses_random_numbers_and_mutated_buffers_and_says_why(case, tmp_path):
+    extra = torch.nn.Dropout(0.5) if case == "dropout" else torch.nn.BatchNorm1d(16)
+    net, reg = mlp(extra), data()
+    job = pickle.loads(stateful.payload(plan_of(step_calls(net, reg), reg), {}))
+    (tmp_path / "job.pkl").write_bytes(stateful.payload(plan_of(step_calls(net, reg), reg), {}))
+    out = subprocess.run([sys.executable, "-c", outofprocess.CHILD, str(tmp_path)], capture_output=True,
+                         text=True, env=python_env(), timeout=200)
+    assert out.returncode == 3, out.stderr[-2000:]
+    reason = json.loads(out.stdout.strip().splitlines()[-1])["refused"]
+    assert ("random numbers" in reason) if case == "dropout" else ("mutates" in reason), reason
+    assert job["state"] and not any(f.suffix == ".pt2" for f in tmp_path.iterdir())
+
+
+def test_the_state_check_reads_the_modules_now():
+    net, reg = mlp(torch.nn.Dropout(0.0)), data()
+    p = plan_of(step_calls(net, reg), reg)
+    ready = stateful._ready(p)
+    got = ready()
+    assert got is not None and all(a is b for a, b in zip(got, net.parameters()))
+    net.eval()
+    assert ready() is None  # a training flag
+    net.train()
+    with torch.no_grad():
+        assert ready() is None  # the grad mode
+    assert ready() is not None
+    net[0].weight.requires_grad_(False)
+    assert ready() is None  # a frozen parameter
+    net[0].weight.requires_grad_(True)
+    net[3].bias = torch.nn.Parameter(torch.zeros(4))
+    assert ready() is None  # a parameter of another shape
+
+
+class EagerKernel(stateful.Kernel):
+    """Stands in for the packages: the step computed eagerly, its gradients doubled when ``wrong``."""
+
+    wrong = False
+
+    def __init__(self, p, workdir):
+        self.plan, self.backward, self.ready = p, True, stateful._ready(p)
+
+    def __call__(self, state, inputs):
+        out = self.plan.head(*inputs)
+        if not EagerKernel.wrong:
+            return out
+        return tuple(o.detach() + (o - o.detach()) * 2 if o.requires_grad else o for o in out)
+
+
+class Immediate:
+    def __init__(self, payload, load, on_done):
+        on_done(load("no directory"), None)
+
+
+def training(net, reg, n):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    body = SEQ([CALL(opt.zero_grad)] + step_calls(net, reg) + [CALL(torch.Tensor.backward, reg("loss")),
+                                                                CALL(opt.step)])
+    return fuse_torch(REPEAT(n, body), compile_after=0, payback=0, form="compiled"), opt
+
+
+def eager_training(net, reg, n):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(n):
+        opt.zero_grad()
+        F.cross_entropy(net(reg["x"]), reg["y"]).backward()
+        opt.step()
+
+
+def test_a_package_whose_gradients_differ_from_eager_is_dropped_for_the_threads_compile(monkeypatch, asked):
+    monkeypatch.setattr(outofprocess, "Compile", Immediate)
+    monkeypatch.setattr(stateful, "Kernel", EagerKernel)
+    monkeypatch.setattr(EagerKernel, "wrong", True)
+    net, reg = mlp(), data()
+    ref = mlp()
+    fast, _ = training(net, reg, 6)
+    fast.run()
+    rt = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED").runtime()
+    assert rt.refused.startswith("its first result differs from eager's (gradients") and rt._direct is None
+    assert asked and rt.hits == 0
+    eager_training(ref, reg, 6)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), ref.parameters()))
+
+
+def test_the_package_runs_only_for_the_state_it_was_built_for(monkeypatch, asked):
+    monkeypatch.setattr(outofprocess, "Compile", Immediate)
+    monkeypatch.setattr(stateful, "Kernel", EagerKernel)
+    net, reg = mlp(), data()
+    ref = mlp()
+    fast, _ = training(net, reg, 5)
+    rt = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED").runtime()
+    fast.run()
+    assert rt.refused is None and rt.hits == 4 and not asked  # the first call started the compile
+    net.eval()  # a training flag the package was not built for: eager, and the thread's compile asked for
+    drv = fast.start()
+    drv.run()
+    assert rt.hits == 4 and asked
+    net.train()
+    eager_training(ref, reg, 10)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), ref.parameters()))
