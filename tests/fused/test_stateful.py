@@ -55,6 +55,8 @@ def plan_of(calls, reg, names=("x", "y")):
 
 
 def test_a_training_step_with_modules_compiles_in_a_child_process_and_trains_as_eager_does():
+    """With BatchNorm (its running statistics updated in place) and dropout (random numbers drawn as eager
+    code draws them, fallback_random), on scikit-learn's digits; then the same network's inference."""
     script = textwrap.dedent("""
         import copy, json, sys, threading, time
         import torch
@@ -66,7 +68,8 @@ def test_a_training_step_with_modules_compiles_in_a_child_process_and_trains_as_
         x = torch.tensor(digits.data[:128], dtype=torch.float32) / 16
         y = torch.tensor(digits.target[:128])
         torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+        net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                  torch.nn.Dropout(0.2), torch.nn.Linear(32, 10))
         ref = copy.deepcopy(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -77,6 +80,7 @@ def test_a_training_step_with_modules_compiles_in_a_child_process_and_trains_as_
                     CALL(F.cross_entropy, reg("logits"), reg("y"), store_to=reg("loss")),
                     CALL(torch.Tensor.backward, reg("loss")), CALL(opt.step)])
         fast = fuse_torch(REPEAT(10**9, body), compile_after=0, payback=0, form="compiled")
+        torch.manual_seed(1)  # the dropout masks: the same draws for the program and the reference
         drv = fast.start()
         el = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED")
         rt = el.runtime()
@@ -88,11 +92,17 @@ def test_a_training_step_with_modules_compiles_in_a_child_process_and_trains_as_
             time.sleep(0.05)
         steps = drv.steps
         drv.run(max_steps=steps + 5 * 200)  # 200 more updates, on the package
+        while int(net[1].num_batches_tracked) != len(done):  # up to the end of an update
+            drv.run(max_steps=drv.steps + 1)
         updates = len(done)
+        torch.manual_seed(1)
         for _ in range(updates):
             ref_opt.zero_grad()
             F.cross_entropy(ref(x), y).backward()
             ref_opt.step()
+        net.eval()  # BatchNorm's running statistics, no dropout
+        ref.eval()
+        stats = max((a - b).abs().max().item() for a, b in zip(net.buffers(), ref.buffers()))
         with torch.no_grad():
             infer = fuse_torch(REPEAT(400, SEQ([CALL(net, reg("x"), store_to=reg("logits")),
                                                 CALL(F.softmax, reg("logits"), dim=1, store_to=reg("p"))])),
@@ -111,7 +121,7 @@ def test_a_training_step_with_modules_compiles_in_a_child_process_and_trains_as_
             "state": rt.state, "inference_refused": inf_rt.refused, "inference_hits": inf_rt.hits,
             "inference_close": bool(torch.allclose(p, expected, atol=1e-6)),
             "max_diff": max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters())),
-            "loss": float(reg["loss"]), "ref_loss": float(F.cross_entropy(ref(x), y)),
+            "stats": stats, "loss": float(F.cross_entropy(net(x), y)), "ref_loss": float(F.cross_entropy(ref(x), y)),
             "threads": sorted(t.name for t in threading.enumerate())}))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=python_env(),
@@ -121,8 +131,8 @@ def test_a_training_step_with_modules_compiles_in_a_child_process_and_trains_as_
     assert "in another process" in got["header_while_compiling"]
     assert got["refused"] is None and got["state"] == "compiled"
     assert got["hits"] >= 200 and got["updates"] >= 200
-    assert got["max_diff"] < 1e-4, got  # the same training as torch's own eager loop
-    assert abs(got["loss"] - got["ref_loss"]) < 1e-4 and got["loss"] < 0.5
+    assert got["max_diff"] < 1e-3 and got["stats"] < 1e-3, got  # the same training as torch's own eager loop
+    assert abs(got["loss"] - got["ref_loss"]) < 1e-3 and got["loss"] < 0.5
     assert got["inference_refused"] is None and got["inference_hits"] > 0 and got["inference_close"]
     assert "flowvm-compile" not in got["threads"]  # the compile thread never ran
 
@@ -198,18 +208,22 @@ def test_the_job_carries_layouts_not_data(tmp_path):
     assert job["layouts"] == [((4, 1000), (1000, 1), torch.float32), ((4,), (1,), torch.int64)]
 
 
-@pytest.mark.parametrize("case", ["dropout", "batchnorm"])
-def test_the_child_refuses_random_numbers_and_mutated_buffers_and_says_why(case, tmp_path):
-    extra = torch.nn.Dropout(0.5) if case == "dropout" else torch.nn.BatchNorm1d(16)
-    net, reg = mlp(extra), data()
-    job = pickle.loads(stateful.payload(plan_of(step_calls(net, reg), reg), {}))
-    (tmp_path / "job.pkl").write_bytes(stateful.payload(plan_of(step_calls(net, reg), reg), {}))
+@pytest.mark.parametrize("case", ["dropout without fallback_random", "an input changed in place"])
+def test_the_child_refuses_what_its_packages_cannot_do_as_eager_does_and_says_why(case, tmp_path):
+    reg = data()
+    if case == "dropout without fallback_random":
+        net = mlp(torch.nn.Dropout(0.5))
+        calls = step_calls(net, reg)
+    else:
+        net = mlp()
+        calls = [CALL(torch.Tensor.mul_, reg("x"), 2, store_to=reg("x"))] + step_calls(net, reg)
+    (tmp_path / "job.pkl").write_bytes(stateful.payload(plan_of(calls, reg), {"fallback_random": False}))
     out = subprocess.run([sys.executable, "-c", outofprocess.CHILD, str(tmp_path)], capture_output=True,
                          text=True, env=python_env(), timeout=200)
     assert out.returncode == 3, out.stderr[-2000:]
     reason = json.loads(out.stdout.strip().splitlines()[-1])["refused"]
-    assert ("random numbers" in reason) if case == "dropout" else ("mutates" in reason), reason
-    assert job["state"] and not any(f.suffix == ".pt2" for f in tmp_path.iterdir())
+    assert ("random numbers" in reason) if case.startswith("dropout") else ("in place" in reason), reason
+    assert not any(f.suffix == ".pt2" for f in tmp_path.iterdir())
 
 
 def test_the_state_check_reads_the_modules_now():
@@ -237,11 +251,15 @@ class EagerKernel(stateful.Kernel):
     wrong = False
 
     def __init__(self, p, workdir):
-        self.plan, self.backward, self.ready = p, True, stateful._ready(p)
+        self.plan, self.backward, self.ready, self.mutated, self.before = p, True, stateful._ready(p), [], None
 
     def __call__(self, state, inputs):
+        if self.before is None:
+            self.before = (state, [], torch.get_rng_state())
+        if EagerKernel.wrong == "random numbers":
+            torch.rand(1)  # a draw eager code does not make
         out = self.plan.head(*inputs)
-        if not EagerKernel.wrong:
+        if EagerKernel.wrong != "gradients":
             return out
         return tuple(o.detach() + (o - o.detach()) * 2 if o.requires_grad else o for o in out)
 
@@ -266,19 +284,25 @@ def eager_training(net, reg, n):
         opt.step()
 
 
-def test_a_package_whose_gradients_differ_from_eager_is_dropped_for_the_threads_compile(monkeypatch, asked):
+@pytest.mark.parametrize("wrong", ["gradients", "random numbers"])
+def test_a_package_that_differs_from_eager_is_dropped_for_the_threads_compile_leaving_no_trace(monkeypatch, asked,
+                                                                                               wrong):
     monkeypatch.setattr(outofprocess, "Compile", Immediate)
     monkeypatch.setattr(stateful, "Kernel", EagerKernel)
-    monkeypatch.setattr(EagerKernel, "wrong", True)
+    monkeypatch.setattr(EagerKernel, "wrong", wrong)
     net, reg = mlp(), data()
     ref = mlp()
     fast, _ = training(net, reg, 6)
+    torch.manual_seed(5)
     fast.run()
+    after = torch.rand(3)
     rt = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED").runtime()
-    assert rt.refused.startswith("its first result differs from eager's (gradients") and rt._direct is None
+    assert rt.refused.startswith(f"its first result differs from eager's ({wrong}") and rt._direct is None
     assert asked and rt.hits == 0
+    torch.manual_seed(5)
     eager_training(ref, reg, 6)
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), ref.parameters()))
+    assert torch.equal(after, torch.rand(3))  # the generator as if the package had never run
 
 
 def test_the_package_runs_only_for_the_state_it_was_built_for(monkeypatch, asked):

@@ -96,9 +96,10 @@ def settings() -> dict:
             "deterministic": torch.are_deterministic_algorithms_enabled()}
 
 
-def mismatch(got: Any, want: Any) -> str | None:
+def mismatch(got: Any, want: Any, scale: float = 0.0) -> str | None:
     """Why compiled results differ from eager ones (None when they agree): their number, types, dtypes,
-    shapes, or values beyond float rounding."""
+    shapes, or values beyond float rounding.  With scale (the largest magnitude among results summed from
+    the same terms, such as gradients of one loss), a value may also be off by float rounding of that."""
     import torch
 
     if len(got) != len(want):
@@ -109,7 +110,8 @@ def mismatch(got: Any, want: Any) -> str | None:
                     f"eager gives {w.dtype} {tuple(w.shape)}")
         if g.is_floating_point() or g.is_complex():
             eps = torch.finfo(g.dtype).eps
-            same = torch.allclose(g, w, rtol=max(1e-4, 16 * eps), atol=max(1e-5, 16 * eps), equal_nan=True)
+            same = torch.allclose(g, w, rtol=max(1e-4, 16 * eps), atol=max(1e-5, 16 * eps, 16 * eps * scale),
+                                  equal_nan=True)
         else:
             same = torch.equal(g, w)
         if not same:

@@ -251,10 +251,11 @@ def _after_first_direct_call(rt: Runtime, old: Callable, out: Any, *args: Any) -
     else it is dropped and the step compiles on the thread (Runtime._reject_direct)."""
     if rt._verify:
         rt._verify = False
-        eager = rt.generated.head(*_head_args(rt, args))
-        wrong = mismatch(out, eager)
-        if wrong is None and hasattr(rt._direct[1], "grad_mismatch"):
-            wrong = rt._direct[1].grad_mismatch(out, eager)
+        kernel = rt._direct[1]
+        if hasattr(kernel, "verify"):  # a step with modules (flowvm/fused/stateful.py)
+            wrong = kernel.verify(out, lambda: rt.generated.head(*_head_args(rt, args)))
+        else:
+            wrong = mismatch(out, rt.generated.head(*_head_args(rt, args)))
         if wrong is not None:
             return rt._reject_direct(f"its first result differs from eager's ({wrong})", *args)
     _install_bare(rt, old)

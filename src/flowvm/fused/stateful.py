@@ -214,9 +214,23 @@ def compile_job(job: dict, workdir: str) -> None:
     def fresh():
         return [s.detach().clone().requires_grad_(s.requires_grad) for s in job["state"]] + [i.clone() for i in inputs]
 
+    # What the step changes in place (BatchNorm's running statistics and batch count): the package returns
+    # their new values.  Found from a run on random values (some kernels change a buffer without counting
+    # a new version of it).
+    numbers = torch.Generator().manual_seed(0)
+    args = fresh()
+    with torch.no_grad():
+        for a in args:
+            if a.is_floating_point():
+                a.copy_(torch.randn(a.shape, generator=numbers, dtype=a.dtype))
+    before = [(a._version, a.detach().clone()) for a in args]
     with torch.set_grad_enabled(grad):
-        args = fresh()
         outs = step(*args)
+    mutated = [i for i, (a, (version, value)) in enumerate(zip(args, before))
+               if a._version != version or not torch.equal(a.detach(), value)]
+    if any(i >= n or args[i].requires_grad for i in mutated):
+        raise Refused("it changes a parameter or an input in place")
+    random = bool(job["options"].get("fallback_random"))
     if not all(isinstance(o, torch.Tensor) for o in outs):
         raise Refused("a result that is not a tensor")
     uniq: list = []
@@ -258,7 +272,7 @@ def compile_job(job: dict, workdir: str) -> None:
     backward, backward_in = graphs.get("backward", (None, None))
     for gm in (forward, backward):
         if gm is not None:
-            _check_graph(gm)
+            _check_graph(gm, random)
     outputs = _output_nodes(forward)
     if backward is not None:
         tangents = sum(1 for node in backward.graph.nodes if node.op == "placeholder" and node.name.startswith("tangents"))
@@ -267,15 +281,16 @@ def compile_job(job: dict, workdir: str) -> None:
             raise Refused(f"{tangents} gradients for {sum(needs)} results that need one")
     else:
         saved = 0
-    if len(outputs) != len(uniq) + saved:
-        raise Refused("it mutates an input or a buffer (BatchNorm's running statistics in training, say)")
-    for node in outputs[:len(uniq)]:
+    if len(outputs) != len(mutated) + len(uniq) + saved:
+        raise Refused(f"{len(outputs)} forward results for {len(mutated)} buffers changed in place, {len(uniq)} "
+                      f"results and {saved} tensors saved for the backward pass")
+    for node in outputs[len(mutated):len(mutated) + len(uniq)]:
         if not isinstance(node, torch.fx.Node) or node.op == "placeholder" or _is_view(node):
             raise Refused("a result that is an input or a view")
     _package(forward, forward_in, os.path.join(workdir, FORWARD), job["options"])
     if backward is not None:
         _package(backward, backward_in, os.path.join(workdir, BACKWARD), job["options"])
-    meta = {"index": index, "needs": needs, "results": len(uniq), "saved": saved,
+    meta = {"index": index, "needs": needs, "results": len(uniq), "saved": saved, "mutated": mutated,
             "backward_in": [[list(s), list(t)] for s, t, _ in backward_in] if backward is not None else None}
     with open(os.path.join(workdir, META), "w") as f:
         json.dump(meta, f)
@@ -291,7 +306,9 @@ def _is_view(node: Any) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
-def _check_graph(gm: Any) -> None:
+def _check_graph(gm: Any, random: bool) -> None:
+    """Refuse tensor constants, in-place ops and, unless the package draws random numbers as eager code does
+    (inductor's ``fallback_random``), random ones."""
     import torch
 
     for node in gm.graph.nodes:
@@ -301,8 +318,8 @@ def _check_graph(gm: Any) -> None:
             schema = getattr(node.target, "_schema", None)
             if schema is not None and schema.is_mutable:
                 raise Refused(f"{node.target}: in-place op")
-            if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-                raise Refused(f"{node.target}: random numbers (dropout in training, say)")
+            if not random and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+                raise Refused(f"{node.target}: random numbers, and fallback_random is off")
 
 
 def _package(gm: Any, layouts: list, path: str, options: dict) -> None:
@@ -331,7 +348,8 @@ def _loader(path: str) -> Any:
 class Kernel:
     """The compiled step in the program's process: ``ready()`` gives the state to call it with (None when
     a state tensor, a training flag or the grad mode is not as compiled), ``kernel(state, inputs)`` runs
-    the zero_grad calls and the packages and returns the step's results."""
+    the zero_grad calls and the packages, writes the buffers the step changes and returns its results.
+    ``verify`` checks the first call against eager."""
 
     def __init__(self, p: Plan, workdir: str):
         import torch
@@ -345,17 +363,20 @@ class Kernel:
         self.index = meta["index"]
         self.results = meta["results"]
         self.needs = meta["needs"]
+        self.mutated = meta["mutated"]
         self.expected = [(tuple(s), tuple(t)) for s, t in meta["backward_in"] or []]
         self.ready = _ready(p)
+        self.before: tuple | None = None  # the first call's buffers and generator state, for verify
         kernel = self
+        first, last = len(self.mutated), len(self.mutated) + self.results
 
         class FusedStep(torch.autograd.Function):
             @staticmethod
             def forward(ctx, *args):
-                outs = kernel.forward(list(args))
-                ctx.save_for_backward(*outs[kernel.results:])
-                ctx.mark_non_differentiable(*[o for o, need in zip(outs, kernel.needs) if not need])
-                return tuple(outs[:kernel.results])
+                outs = kernel._forward(args)
+                ctx.save_for_backward(*outs[last:])
+                ctx.mark_non_differentiable(*[o for o, need in zip(outs[first:last], kernel.needs) if not need])
+                return tuple(outs[first:last])
 
             @staticmethod
             @torch.autograd.function.once_differentiable  # a second backward raises, as in torch.compile
@@ -368,17 +389,64 @@ class Kernel:
 
         self.function = FusedStep
 
+    def _forward(self, args) -> list:
+        import torch
+
+        outs = self.forward(list(args))
+        if self.mutated:  # the step's in-place updates of buffers, as eager code makes them
+            with torch.no_grad():
+                for i, new in zip(self.mutated, outs):
+                    args[i].copy_(new)
+        return outs
+
     def __call__(self, state: list, inputs: list) -> tuple:
+        import torch
+
+        if self.before is None:
+            self.before = (state, [state[i].clone() for i in self.mutated], torch.get_rng_state())
         for fn in self.plan.pre:
             fn()
         if self.backward is None:
-            outs = self.forward(state + inputs)
+            first = len(self.mutated)
+            outs = self._forward(state + inputs)[first:first + self.results]
         else:
             outs = self.function.apply(*state, *inputs)
         return tuple(outs[k] for k in self.index)
 
-    def grad_mismatch(self, got: tuple, want: tuple) -> str | None:
-        """Whether the gradients of the state through the compiled results differ from eager's."""
+    def _restore(self) -> None:
+        import torch
+
+        state, buffers, rng = self.before
+        with torch.no_grad():
+            for i, value in zip(self.mutated, buffers):
+                state[i].copy_(value)
+        torch.set_rng_state(rng)
+
+    def verify(self, got: tuple, eager: Callable[[], tuple]) -> str | None:
+        """Why the first call's results differ from eager's (None when they agree), with eager run from
+        the same buffers and generator state: the results, the parameters' gradients through them, the
+        buffers changed and the random numbers drawn.  Agreeing, the buffers and generator are left as
+        eager left them; differing, as they were before the call (for eager to run it again)."""
+        import torch
+
+        state = self.before[0]
+        buffers, rng = [state[i].clone() for i in self.mutated], torch.get_rng_state()
+        self._restore()
+        want = eager()
+        wrong = mismatch(got, want)
+        if wrong is None:
+            wrong = self._grad_mismatch(got, want)
+        if wrong is None and self.mutated:
+            wrong = mismatch(buffers, [state[i] for i in self.mutated])
+            wrong = None if wrong is None else f"buffers: {wrong}"
+        if wrong is None and not torch.equal(rng, torch.get_rng_state()):
+            wrong = "random numbers drawn differently"
+        if wrong is not None:
+            self._restore()
+        self.before = ()  # checked: no more copies
+        return wrong
+
+    def _grad_mismatch(self, got: tuple, want: tuple) -> str | None:
         import torch
 
         if self.backward is None:
@@ -392,7 +460,9 @@ class Kernel:
             return [torch.zeros_like(p) if g is None else g for p, g in zip(params, found)]
 
         uniq = list({id(o): o for o in got}.values())
-        wrong = mismatch(grads(uniq, True), grads(list({id(o): o for o in want}.values()), False))
+        eager = grads(list({id(o): o for o in want}.values()), False)
+        scale = max((float(g.abs().max()) for g in eager if g.numel()), default=0.0)
+        wrong = mismatch(grads(uniq, True), eager, scale)  # a gradient near 0 (a bias before BatchNorm) is noise
         return None if wrong is None else f"gradients: {wrong}"
 
 
