@@ -17,10 +17,12 @@ It compiles out of process as torch.compile would compile it, with the state mad
 
 Only torch's own code runs in the child: every module's ``forward`` comes from torch (``nn.Sequential``,
 ``nn.Linear``, a subclass that does not override it...), and no module has hooks or parametrizations.
-Steps that mutate state (BatchNorm's running statistics in training), draw random numbers (dropout in
-training) or use tensor constants are refused, and compile on the thread.  Before each call the parent
-checks that every state tensor, training flag and the grad mode is as compiled (``Kernel.ready``); the
-first call is checked against eager, values and gradients.
+Buffers the step changes in place (BatchNorm's running statistics in training) come back from the forward
+package and are written as eager code writes them; random numbers (dropout in training) are drawn from the
+program's generator as eager code draws them (inductor's ``fallback_random``).  Steps that change a
+parameter or an input in place, or use tensor constants, are refused and compile on the thread.  Before
+each call the parent checks that every state tensor, training flag and the grad mode is as compiled
+(``Kernel.ready``); the first call is checked against eager (``Kernel.verify``).
 """
 
 from __future__ import annotations
