@@ -560,7 +560,7 @@ def test_a_background_compile_reads_no_gradient_while_the_program_runs(inductor_
     import torch._subclasses.meta_utils as meta_utils
 
     torch.manual_seed(5)
-    fast = optimize(build_training(), options={"fuse-torch": {"form": "compiled"}})
+    fast = optimize(build_training(), options={"fuse-torch": {"form": "compiled", "compile_in": "thread"}})
     rt = fast.elements[0].body.elements[1].runtime()
     reads = {"while paused": 0, "while running": 0}
     original = meta_utils.safe_grad

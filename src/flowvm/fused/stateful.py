@@ -15,14 +15,15 @@ It compiles out of process as torch.compile would compile it, with the state mad
   ``torch.autograd.Function`` whose backward is the backward package, and hands back the step's results
   (the same tensor where the step returned one tensor twice).
 
-Only torch's own code runs in the child: every module's ``forward`` comes from torch (``nn.Sequential``,
-``nn.Linear``, a subclass that does not override it...), and no module has hooks or parametrizations.
+Only torch's own code runs in the child: every module's class is torch's or adds methods without
+overriding torch's (``_torch_class``), and no module has hooks or parametrizations.
 Buffers the step changes in place (BatchNorm's running statistics in training) come back from the forward
 package and are written as eager code writes them; random numbers (dropout in training) are drawn from the
 program's generator as eager code draws them (inductor's ``fallback_random``).  Steps that change a
 parameter or an input in place, or use tensor constants, are refused and compile on the thread.  Before
-each call the parent checks that every state tensor, training flag and the grad mode is as compiled
-(``Kernel.ready``); the first call is checked against eager (``Kernel.verify``).
+each call the parent checks that every state tensor, training flag, submodule, setting (a Dropout's
+``p``...) and the grad mode is as compiled and that no hook was added (``Kernel.ready``); the first call
+is checked against eager (``Kernel.verify``).
 """
 
 from __future__ import annotations
@@ -53,27 +54,39 @@ class Plan:
     layouts: list[tuple] = field(default_factory=list)  # the step's inputs
 
 
-def _torch_code(fn: Any) -> bool:
-    return (getattr(fn, "__module__", None) or "").startswith("torch.")
+def _torch_code(obj: Any) -> bool:
+    return (getattr(obj, "__module__", None) or "").startswith("torch.")
+
+
+# methods a subclass of a torch module may override without changing what the module computes
+_HARMLESS = frozenset({"__init__", "__repr__", "extra_repr", "reset_parameters", "_get_name", "__doc__",
+                       "__module__", "__qualname__", "__dict__", "__weakref__", "__annotations__",
+                       "__firstlineno__", "__static_attributes__"})
+
+
+def _torch_class(cls: type) -> bool:
+    """Whether what instances of cls compute is torch's own code: every class of its MRO is torch's, or adds
+    attributes without overriding any of its torch bases' (``Classifier(nn.Sequential)`` adding
+    ``predict``), except harmless ones (``extra_repr``, ``__init__``...)."""
+    torch_names: set[str] = set()
+    for base in cls.__mro__:
+        if _torch_code(base) or base is object:
+            torch_names.update(vars(base))
+    return all(_torch_code(base) or base is object or not (set(vars(base)) - _HARMLESS) & torch_names
+               for base in cls.__mro__)
 
 
 def _plain_module(module: Any) -> bool:
-    """Every submodule's forward is torch's own, with no hooks or parametrizations."""
+    """Every submodule computes with torch's own code (see _torch_class), with no hooks, parametrizations
+    or ``forward`` set on the instance."""
     import torch
-    from torch.nn.modules import module as nnmodule
 
-    if any(getattr(nnmodule, name, None) for name in (
-            "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-            "_global_backward_pre_hooks", "_global_module_registration_hooks",
-            "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")):
+    if any(_global_hooks()):
         return False
     for sub in module.modules():
-        if not _torch_code(type(sub).forward) or torch.nn.utils.parametrize.is_parametrized(sub):
+        if not _torch_class(type(sub)) or torch.nn.utils.parametrize.is_parametrized(sub):
             return False
-        if type(sub).__call__ is not torch.nn.Module.__call__ or type(sub).__getattr__ is not torch.nn.Module.__getattr__:
-            return False
-        if any(getattr(sub, name, None) for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                                      "_backward_pre_hooks")):
+        if "forward" in vars(sub) or any(getattr(sub, name, None) for name in _HOOKS):
             return False
     return True
 
@@ -368,6 +381,7 @@ class Kernel:
         self.mutated = meta["mutated"]
         self.expected = [(tuple(s), tuple(t)) for s, t in meta["backward_in"] or []]
         self.ready = _ready(p)
+        p.state = []  # the tensors it was planned for: ready() reads the modules' own
         self.before: tuple | None = None  # the first call's buffers and generator state, for verify
         kernel = self
         first, last = len(self.mutated), len(self.mutated) + self.results
@@ -381,8 +395,11 @@ class Kernel:
                 return tuple(outs[first:last])
 
             @staticmethod
-            @torch.autograd.function.once_differentiable  # a second backward raises, as in torch.compile
             def backward(ctx, *grads):
+                if torch.is_grad_enabled():  # backward(create_graph=True): its gradients would have no graph
+                    raise RuntimeError("flowvm: a fused step compiled in another process cannot be differentiated "
+                                       "twice (backward with create_graph=True); compile it with "
+                                       "fuse-torch compile_in='thread', or form='eager'")
                 given = list(ctx.saved_tensors) + [g for g, need in zip(grads, kernel.needs) if need]
                 for k, (g, (shape, stride)) in enumerate(zip(given, kernel.expected)):
                     if g.stride() != stride:
@@ -453,7 +470,7 @@ class Kernel:
 
         if self.backward is None:
             return None
-        params = [s for s in self.plan.state if s.requires_grad]
+        params = [s for s in self.before[0] if s.requires_grad]  # the tensors the first call ran with
 
         def grads(outs, retain):
             used = [o for o in outs if o.requires_grad]
@@ -468,8 +485,50 @@ class Kernel:
         return None if wrong is None else f"gradients: {wrong}"
 
 
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks", "_global_module_registration_hooks",
+                 "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")
+
+
+def _global_hooks() -> list:
+    from torch.nn.modules import module as nnmodule
+
+    return [getattr(nnmodule, name, None) for name in _GLOBAL_HOOKS]
+
+
+def _module_checks(k: int, module: Any, ns: dict) -> list[str]:
+    """Source checking that module k computes what it computed when compiled: the same training flag,
+    submodules and settings (a Dropout's ``p``, a BatchNorm's ``eps``...), and no hook."""
+    import torch
+
+    internals = frozenset(vars(torch.nn.Module()))
+    plain = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+    attrs = vars(module)
+    ns[f"m{k}"] = attrs  # its dicts are read from it at each call (Sequential's del replaces _modules)
+    checks = [f"m{k}['training'] is {bool(module.training)}", f"len(m{k}['_modules']) == {len(attrs['_modules'])}"]
+    checks += [f"not m{k}[{name!r}]" for name in _HOOKS if name in attrs] + [f"'forward' not in m{k}"]
+    for kind in ("_parameters", "_buffers"):  # the same names (a bias added where there was none...)
+        checks.append(f"len(m{k}[{kind!r}]) == {len(attrs[kind])}")
+        checks += [f"m{k}[{kind!r}].get({name!r}, 0) is None" for name, t in attrs[kind].items() if t is None]
+    for j, (name, child) in enumerate(attrs["_modules"].items()):
+        ns[f"mc{k}_{j}"] = child
+        checks.append(f"m{k}['_modules'].get({name!r}) is mc{k}_{j}")
+    for j, (name, value) in enumerate(attrs.items()):
+        if name in internals:
+            continue
+        same = all(isinstance(v, plain) for v in value) if isinstance(value, (tuple, list)) else isinstance(value, plain)
+        ns[f"mv{k}_{j}"] = (type(value), list(value) if isinstance(value, list) else value)
+        if same:  # a setting: equal to what was compiled, of the same type
+            checks.append(f"type(m{k}.get({name!r})) is mv{k}_{j}[0] and m{k}[{name!r}] == mv{k}_{j}[1]")
+        else:  # an object (a function, say): the same one
+            checks.append(f"m{k}.get({name!r}) is mv{k}_{j}[1]")
+    return checks
+
+
 def _ready(p: Plan) -> Callable[[], list | None]:
-    """A generated function reading the plan's state from its modules, checked against its layouts."""
+    """A generated function reading the plan's state from its modules, checked against its layouts, and
+    checking the modules' flags, submodules, settings and hooks and the grad mode (see _module_checks)."""
     import torch
 
     ns: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled, "strided": torch.strided}
@@ -477,8 +536,8 @@ def _ready(p: Plan) -> Callable[[], list | None]:
     checks = [f"grad_enabled() is {p.grad}"]
     for k, (tensor, places) in enumerate(zip(p.state, p.where)):
         for j, (owner, kind, leaf) in enumerate(places):
-            ns[f"o{k}_{j}"] = getattr(owner, kind)
-            lines.append(f"    s{k}_{j} = o{k}_{j}.get({leaf!r})")
+            ns[f"o{k}_{j}"] = vars(owner)  # the module's __dict__: its _parameters may be replaced
+            lines.append(f"    s{k}_{j} = o{k}_{j}[{kind!r}].get({leaf!r})")
             if j:
                 checks.append(f"s{k}_{j} is s{k}_0")
         ns.update({f"c{k}": type(tensor), f"d{k}": tensor.dtype, f"h{k}": tensor.shape, f"t{k}": tensor.stride()})
@@ -486,8 +545,9 @@ def _ready(p: Plan) -> Callable[[], list | None]:
                       f"and s{k}_0.stride() == t{k} and s{k}_0.requires_grad is {tensor.requires_grad} "
                       f"and s{k}_0.is_cpu and s{k}_0.layout is strided and not s{k}_0.is_neg()")
     for k, module in enumerate(p.tree):
-        ns[f"m{k}"] = module
-        checks.append(f"m{k}.training is {bool(module.training)}")
+        checks += _module_checks(k, module, ns)
+    ns["global_hooks"] = _global_hooks
+    checks.append("not any(global_hooks())")
     lines.append(f"    if {' and '.join(checks)}:")
     lines.append(f"        return [{', '.join(f's{k}_0' for k in range(len(p.state)))}]")
     lines.append("    return None")
