@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -174,6 +175,13 @@ class Mine(torch.nn.Module):
         return self.lin(x) * 2
 
 
+SCALE = 1.0
+
+
+def user_swish(x):  # reads a global of this process
+    return x * torch.sigmoid(x) * SCALE
+
+
 class ScaledConv(torch.nn.Conv1d):
     scale = 2.0
 
@@ -196,7 +204,8 @@ def test_a_subclass_computes_with_torch_code_when_it_overrides_nothing_torch_def
 
 @pytest.mark.parametrize("case", ["user forward", "forward hook", "parametrized", "tensor constant", "user function",
                                   "input needs grad", "no module", "sparse buffer", "overridden torch method",
-                                  "forward set on the instance"])
+                                  "forward set on the instance", "method set on the instance",
+                                  "a function of the user's in a torch module"])
 def test_what_the_stateful_kind_leaves_to_the_thread(case):
     net, reg = mlp(), data()
     assert plan_of(step_calls(net, reg), reg) is not None
@@ -219,8 +228,15 @@ def test_what_the_stateful_kind_leaves_to_the_thread(case):
         net[0].register_buffer("extra", torch.eye(3).to_sparse())
     elif case == "overridden torch method":
         calls = [CALL(ScaledConv(1, 1, 3), reg("x"), store_to=reg("logits"))] + calls[1:]
-    else:
+    elif case == "forward set on the instance":
         net[1].forward = lambda x: x * 2
+    elif case == "method set on the instance":
+        conv = torch.nn.Conv1d(1, 1, 3)
+        conv._conv_forward = types.MethodType(lambda self, x, w, b: F.conv1d(x, w, b) * 2, conv)
+        calls = [CALL(conv, reg("x"), store_to=reg("logits"))] + calls[1:]
+    else:
+        layer = torch.nn.TransformerEncoderLayer(8, 2, activation=user_swish)
+        calls = [CALL(layer, reg("x"), store_to=reg("logits"))] + calls[1:]
     assert plan_of(calls, reg) is None
 
 
@@ -261,6 +277,17 @@ def test_the_child_refuses_what_its_packages_cannot_do_as_eager_does_and_says_wh
     reason = json.loads(out.stdout.strip().splitlines()[-1])["refused"]
     assert ("random numbers" in reason) if case.startswith("dropout") else ("in place" in reason), reason
     assert not any(f.suffix == ".pt2" for f in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.LSTM(8, 4, batch_first=True), lambda: torch.nn.GRU(8, 4),
+                                  lambda: torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16),
+                                  lambda: torch.nn.Sequential(torch.nn.Conv1d(1, 2, 3), torch.nn.BatchNorm1d(2))])
+def test_the_state_check_passes_for_common_modules_as_they_are(make):
+    module, reg = make(), data()
+    p = plan_of([CALL(module, reg("x"), store_to=reg("h"))], reg, ("x",))
+    assert p is not None and p.ready() is not None
+    module.train(not module.training)
+    assert p.ready() is None
 
 
 def test_a_parameter_added_where_there_was_none_is_seen():

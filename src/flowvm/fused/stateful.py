@@ -29,6 +29,7 @@ is checked against eager (``Kernel.verify``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -52,10 +53,19 @@ class Plan:
     tree: list[Any]                      # every module and submodule (their training flags are checked)
     grad: bool                           # grad mode when compiled
     layouts: list[tuple] = field(default_factory=list)  # the step's inputs
+    ready: Callable[[], list | None] | None = None  # the per-call check, of the modules as planned (_ready)
 
 
 def _torch_code(obj: Any) -> bool:
     return (getattr(obj, "__module__", None) or "").startswith("torch.")
+
+
+@functools.lru_cache(maxsize=None)
+def _internals() -> frozenset:
+    """The attributes every nn.Module has (its hook dicts, _parameters...)."""
+    import torch
+
+    return frozenset(vars(torch.nn.Module()))
 
 
 # methods a subclass of a torch module may override without changing what the module computes
@@ -86,8 +96,16 @@ def _plain_module(module: Any) -> bool:
     for sub in module.modules():
         if not _torch_class(type(sub)) or torch.nn.utils.parametrize.is_parametrized(sub):
             return False
-        if "forward" in vars(sub) or any(getattr(sub, name, None) for name in _HOOKS):
+        if any(getattr(sub, name, None) for name in _HOOKS):
             return False
+        for name, value in vars(sub).items():  # a function of the user's given to a torch module
+            if name in _internals():
+                continue
+            if hasattr(type(sub), name) and callable(getattr(type(sub), name)):
+                return False  # a method replaced on the instance (its forward, say)
+            if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type)) \
+                    and not torch_function(value):
+                return False  # an activation of yours, say: it may read anything of this process
     return True
 
 
@@ -161,8 +179,10 @@ def plan(calls: Any, inputs: list, args: tuple) -> Plan | None:
         return None
     tree = [sub for m in modules for sub in m.modules()]
     head = generate(types.SimpleNamespace(calls=kept, inputs=list(inputs), outputs=_written(kept))).fused
-    return Plan(head=head, pre=pre, modules=modules, state=state, where=where, binds=binds, tree=tree,
-                grad=torch.is_grad_enabled(), layouts=[(tuple(a.shape), tuple(a.stride()), a.dtype) for a in args])
+    p = Plan(head=head, pre=pre, modules=modules, state=state, where=where, binds=binds, tree=tree,
+             grad=torch.is_grad_enabled(), layouts=[(tuple(a.shape), tuple(a.stride()), a.dtype) for a in args])
+    p.ready = _ready(p)  # now: the child compiles the modules as they are now
+    return p
 
 
 def _written(calls) -> list:
@@ -380,7 +400,7 @@ class Kernel:
         self.needs = meta["needs"]
         self.mutated = meta["mutated"]
         self.expected = [(tuple(s), tuple(t)) for s, t in meta["backward_in"] or []]
-        self.ready = _ready(p)
+        self.ready = p.ready
         p.state = []  # the tensors it was planned for: ready() reads the modules' own
         self.before: tuple | None = None  # the first call's buffers and generator state, for verify
         kernel = self
@@ -502,7 +522,7 @@ def _module_checks(k: int, module: Any, ns: dict) -> list[str]:
     submodules and settings (a Dropout's ``p``, a BatchNorm's ``eps``...), and no hook."""
     import torch
 
-    internals = frozenset(vars(torch.nn.Module()))
+    internals = _internals()
     plain = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
     attrs = vars(module)
     ns[f"m{k}"] = attrs  # its dicts are read from it at each call (Sequential's del replaces _modules)
@@ -518,7 +538,7 @@ def _module_checks(k: int, module: Any, ns: dict) -> list[str]:
         if name in internals:
             continue
         same = all(isinstance(v, plain) for v in value) if isinstance(value, (tuple, list)) else isinstance(value, plain)
-        ns[f"mv{k}_{j}"] = (type(value), list(value) if isinstance(value, list) else value)
+        ns[f"mv{k}_{j}"] = (type(value), list(value) if same and isinstance(value, list) else value)
         if same:  # a setting: equal to what was compiled, of the same type
             checks.append(f"type(m{k}.get({name!r})) is mv{k}_{j}[0] and m{k}[{name!r}] == mv{k}_{j}[1]")
         else:  # an object (a function, say): the same one
