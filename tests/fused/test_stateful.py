@@ -149,6 +149,51 @@ def test_a_training_step_with_modules_compiles_in_a_child_process_and_trains_as_
     assert "flowvm-compile" not in got["threads"]  # the compile thread never ran
 
 
+@pytest.mark.timeout(400)
+def test_a_transformer_layer_trained_with_adam_on_the_package_matches_eager():
+    """MultiheadAttention, LayerNorm and dropout in training, compiled in a child process."""
+    script = textwrap.dedent("""
+        import copy, json, time
+        import torch
+        from flowvm import CALL, REPEAT, SEQ, Registers
+        from flowvm.passes.fuse_torch import fuse_torch
+        F = torch.nn.functional
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True),
+                                  torch.nn.Flatten(), torch.nn.Linear(16 * 8, 10))
+        x, y = torch.randn(32, 8, 16), torch.randint(0, 10, (32,))
+        ref = copy.deepcopy(net)
+        opt, ref_opt = torch.optim.Adam(net.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
+        reg = Registers(x=x, y=y)
+        body = SEQ([CALL(opt.zero_grad), CALL(net, reg("x"), store_to=reg("logits")),
+                    CALL(F.cross_entropy, reg("logits"), reg("y"), store_to=reg("loss")),
+                    CALL(torch.Tensor.backward, reg("loss")), CALL(opt.step)])
+        fast = fuse_torch(REPEAT(600, body), compile_after=0, payback=0, form="compiled")
+        rt = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED").runtime()
+        torch.manual_seed(1)
+        drv = fast.start()
+        deadline = time.time() + 300
+        while not drv.done:
+            drv.run(max_steps=4)
+            if rt._job_running and time.time() < deadline:
+                time.sleep(0.2)  # few eager updates while it compiles
+        torch.manual_seed(1)
+        for _ in range(600):
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+        print(json.dumps({"refused": rt.refused, "hits": rt.hits, "state": rt.state,
+                          "max_diff": max((a - b).abs().max().item() for a, b in zip(net.parameters(),
+                                                                                   ref.parameters()))}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=python_env(),
+                         timeout=380)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["refused"] is None and got["state"] == "compiled" and got["hits"] >= 300, got
+    assert got["max_diff"] < 1e-3, got  # the same dropout masks, the same Adam updates to float rounding
+
+
 def test_the_plan_lists_each_parameter_once_with_where_it_lives():
     net, reg = mlp(), data()
     shared = torch.nn.Linear(8, 8)
