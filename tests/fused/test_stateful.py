@@ -207,7 +207,7 @@ def test_the_plan_lists_each_parameter_once_with_where_it_lives():
     q = plan_of([CALL(twice, reg("x"), store_to=reg("h")), CALL(torch.sum, reg("h"), store_to=reg("s"))], reg, ("x",))
     assert len(q.state) == 2 and len(q.where[0]) == 2  # checked at both places before every call
     zero_grad_last = step_calls(net, reg) + [CALL(opt.zero_grad)]
-    assert plan_of(zero_grad_last, reg) is None
+    assert plan_of(zero_grad_last, reg) == "no module to compile, or a zero_grad call ends the step"
 
 
 class Mine(torch.nn.Module):
@@ -252,7 +252,7 @@ def test_a_subclass_computes_with_torch_code_when_it_overrides_nothing_torch_def
                                   "a function of the user's in a torch module"])
 def test_what_the_stateful_kind_leaves_to_the_thread(case):
     net, reg = mlp(), data()
-    assert plan_of(step_calls(net, reg), reg) is not None
+    assert isinstance(plan_of(step_calls(net, reg), reg), stateful.Plan)
     calls = step_calls(net, reg)
     if case == "user forward":
         calls = [CALL(Mine(), reg("x"), store_to=reg("logits"))] + calls[1:]
@@ -281,7 +281,10 @@ def test_what_the_stateful_kind_leaves_to_the_thread(case):
     else:
         layer = torch.nn.TransformerEncoderLayer(8, 2, activation=user_swish)
         calls = [CALL(layer, reg("x"), store_to=reg("logits"))] + calls[1:]
-    assert plan_of(calls, reg) is None
+    why = plan_of(calls, reg)
+    assert isinstance(why, str), why
+    if case == "user forward":
+        assert why == "CALL logits = Mine(x): Mine computes with code of yours (or has hooks or parametrizations)"
 
 
 def test_the_job_carries_layouts_not_data(tmp_path):
@@ -329,7 +332,7 @@ def test_the_child_refuses_what_its_packages_cannot_do_as_eager_does_and_says_wh
 def test_the_state_check_passes_for_common_modules_as_they_are(make):
     module, reg = make(), data()
     p = plan_of([CALL(module, reg("x"), store_to=reg("h"))], reg, ("x",))
-    assert p is not None and p.ready() is not None
+    assert isinstance(p, stateful.Plan) and p.ready() is not None
     module.train(not module.training)
     assert p.ready() is None
 
@@ -478,3 +481,12 @@ def test_the_package_runs_only_for_the_state_it_was_built_for(monkeypatch, asked
     net.train()
     eager_training(ref, reg, 10)
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), ref.parameters()))
+
+
+def test_a_step_left_to_the_thread_says_why(asked):
+    reg = data()
+    fast, _ = training(Mine(), reg, 3)
+    fast.run()
+    rt = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED").runtime()
+    assert rt.refused == "CALL logits = Mine(x): Mine computes with code of yours (or has hooks or parametrizations)"
+    assert asked and rt.compiles == 0  # the thread's compile, asked for instead

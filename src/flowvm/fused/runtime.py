@@ -456,7 +456,8 @@ class Runtime:
             inputs = list(self.el.inputs) if gen.head_positions is None else [self.el.inputs[k]
                                                                                for k in gen.head_positions]
             plan = stateful.plan(calls, inputs, head_args)
-            if plan is None:
+            if isinstance(plan, str):
+                self.refused = plan  # the reason it compiles on the thread
                 return False
             payload = stateful.payload(plan, dict(s.options))
 

@@ -121,19 +121,22 @@ def _zero_grad(call: Any) -> bool:
             and all(isinstance(v, bool) for v in call.kwargs.values()))
 
 
-def plan(calls: Any, inputs: list, args: tuple) -> Plan | None:
+def plan(calls: Any, inputs: list, args: tuple) -> Plan | str:
     """The plan for compiling a head with these calls (inputs: its input registers, args: their values)
-    out of process, or None when it is not of the stateful kind."""
+    out of process, or why it is not of the stateful kind (it compiles on the thread)."""
     import types
 
     import torch
 
+    from ..program.printer import call_text
     from .codegen import generate
 
-    if not aoti_available() or not args or not all(plain_tensor(a) and a.device.type == "cpu" for a in args):
-        return None
+    if not aoti_available():
+        return "this torch cannot load AOTInductor packages, or this program cannot start python"
+    if not args or not all(plain_tensor(a) and a.device.type == "cpu" for a in args):
+        return "an input that is not a plain CPU tensor needing no gradient"
     if torch.is_inference_mode_enabled() or torch._C._is_any_autocast_enabled():
-        return None
+        return "inference mode or autocast"
     modules: list[Any] = []
     pre: list[Callable] = []
     kept = []
@@ -142,17 +145,18 @@ def plan(calls: Any, inputs: list, args: tuple) -> Plan | None:
             pre.append(call.fn)
             continue
         if holds_state(list(call.args)) or holds_state(dict(call.kwargs)):
-            return None
+            return f"CALL {call_text(call)}: a tensor or module among its arguments"
         if isinstance(call.fn, torch.nn.Module):
             if not _plain_module(call.fn):
-                return None
+                return (f"CALL {call_text(call)}: {type(call.fn).__name__} computes with code of yours (or has "
+                        "hooks or parametrizations)")
             if not any(m is call.fn for m in modules):
                 modules.append(call.fn)
         elif not torch_function(call.fn):
-            return None
+            return f"CALL {call_text(call)}: a function that is not torch's own"
         kept.append(call)
     if not modules or not kept or _zero_grad(calls[-1]):
-        return None
+        return "no module to compile, or a zero_grad call ends the step"
     state: list[Any] = []
     where: list[list[tuple[Any, str, str]]] = []
     binds: list[dict[str, int]] = []
@@ -164,7 +168,7 @@ def plan(calls: Any, inputs: list, args: tuple) -> Plan | None:
                     continue
                 if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu" \
                         or tensor.layout is not torch.strided or tensor.is_nested or tensor._backward_hooks:
-                    return None
+                    return f"{type(module).__name__}.{dotted}: not a plain CPU tensor, or with hooks"
                 owner_path, _, leaf = dotted.rpartition(".")
                 owner = module.get_submodule(owner_path) if owner_path else module
                 k = next((i for i, s in enumerate(state) if s is tensor), None)
@@ -176,7 +180,7 @@ def plan(calls: Any, inputs: list, args: tuple) -> Plan | None:
                 bind[dotted] = k
         binds.append(bind)
     if not state:
-        return None
+        return "no parameter or buffer"
     tree = [sub for m in modules for sub in m.modules()]
     head = generate(types.SimpleNamespace(calls=kept, inputs=list(inputs), outputs=_written(kept))).fused
     p = Plan(head=head, pre=pre, modules=modules, state=state, where=where, binds=binds, tree=tree,
