@@ -272,25 +272,13 @@ def compile_job(job: dict, workdir: str) -> None:
     random = bool(job["options"].get("fallback_random"))
     if not all(isinstance(o, torch.Tensor) for o in outs):
         raise Refused("a result that is not a tensor")
-    uniq: list = []
-    index = []
-    for o in outs:
-        k = next((i for i, u in enumerate(uniq) if u is o), None)
-        if k is None:
-            k = len(uniq)
-            uniq.append(o)
-        index.append(k)
+    uniq, index = _distinct(outs)
     if any(u is a or u._base is not None for u in uniq for a in args):
         raise Refused("a result that is an input or a view")
     needs = [bool(u.requires_grad) for u in uniq]
 
     def unique(*a):
-        o = step(*a)
-        seen: list = []
-        for t in o:
-            if not any(t is s for s in seen):
-                seen.append(t)
-        return tuple(seen)
+        return tuple(_distinct(step(*a))[0])
 
     graphs: dict[str, tuple] = {}
 
@@ -333,6 +321,19 @@ def compile_job(job: dict, workdir: str) -> None:
             "backward_in": [[list(s), list(t)] for s, t, _ in backward_in] if backward is not None else None}
     with open(os.path.join(workdir, META), "w") as f:
         json.dump(meta, f)
+
+
+def _distinct(tensors) -> tuple[list, list[int]]:
+    """The distinct tensors (by identity) in order, and where each of the given ones is among them."""
+    uniq: list = []
+    index: list[int] = []
+    for t in tensors:
+        k = next((i for i, u in enumerate(uniq) if u is t), None)
+        if k is None:
+            k = len(uniq)
+            uniq.append(t)
+        index.append(k)
+    return uniq, index
 
 
 def _output_nodes(gm: Any) -> list:
@@ -502,10 +503,9 @@ class Kernel:
                                         allow_unused=True)
             return [torch.zeros_like(p) if g is None else g for p, g in zip(params, found)]
 
-        uniq = list({id(o): o for o in got}.values())
-        eager = grads(list({id(o): o for o in want}.values()), False)
+        eager = grads(_distinct(want)[0], False)
         scale = max((float(g.abs().max()) for g in eager if g.numel()), default=0.0)
-        wrong = mismatch(grads(uniq, True), eager, scale)  # a gradient near 0 (a bias before BatchNorm) is noise
+        wrong = mismatch(grads(_distinct(got)[0], True), eager, scale)  # a gradient near 0 (a bias before BatchNorm) is noise
         return None if wrong is None else f"gradients: {wrong}"
 
 
