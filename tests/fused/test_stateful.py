@@ -246,32 +246,25 @@ def test_a_subclass_computes_with_torch_code_when_it_overrides_nothing_torch_def
     assert not stateful._torch_class(ScaledConv) and not stateful._torch_class(Mine)
 
 
-@pytest.mark.parametrize("case", ["user forward", "forward hook", "parametrized", "tensor constant", "user function",
-                                  "input needs grad", "no module", "sparse buffer", "overridden torch method",
-                                  "forward set on the instance", "method set on the instance",
-                                  "a function of the user's in a torch module"])
+@pytest.mark.parametrize("case", ["forward hook", "parametrized", "tensor constant", "input needs grad", "no module",
+                                  "sparse buffer", "forward set on the instance", "method set on the instance",
+                                  "a bound method"])
 def test_what_the_stateful_kind_leaves_to_the_thread(case):
     net, reg = mlp(), data()
     assert isinstance(plan_of(step_calls(net, reg), reg), stateful.Plan)
     calls = step_calls(net, reg)
-    if case == "user forward":
-        calls = [CALL(Mine(), reg("x"), store_to=reg("logits"))] + calls[1:]
-    elif case == "forward hook":
+    if case == "forward hook":
         net[0].register_forward_hook(lambda *a: None)
     elif case == "parametrized":
         torch.nn.utils.parametrizations.weight_norm(net[0])
     elif case == "tensor constant":
         calls = calls + [CALL(torch.add, reg("loss"), torch.ones(()), store_to=reg("loss"))]
-    elif case == "user function":
-        calls = calls + [CALL(lambda v: v * 2, reg("loss"), store_to=reg("loss"))]
     elif case == "input needs grad":
         reg["x"] = reg["x"].requires_grad_()
     elif case == "no module":
         calls = [CALL(torch.sin, reg("x"), store_to=reg("logits"))] + calls[1:]
     elif case == "sparse buffer":
         net[0].register_buffer("extra", torch.eye(3).to_sparse())
-    elif case == "overridden torch method":
-        calls = [CALL(ScaledConv(1, 1, 3), reg("x"), store_to=reg("logits"))] + calls[1:]
     elif case == "forward set on the instance":
         net[1].forward = lambda x: x * 2
     elif case == "method set on the instance":
@@ -279,12 +272,31 @@ def test_what_the_stateful_kind_leaves_to_the_thread(case):
         conv._conv_forward = types.MethodType(lambda self, x, w, b: F.conv1d(x, w, b) * 2, conv)
         calls = [CALL(conv, reg("x"), store_to=reg("logits"))] + calls[1:]
     else:
-        layer = torch.nn.TransformerEncoderLayer(8, 2, activation=user_swish)
-        calls = [CALL(layer, reg("x"), store_to=reg("logits"))] + calls[1:]
+        calls = [CALL(Predicting(torch.nn.Linear(8, 3)).predict, reg("x"), store_to=reg("logits"))] + calls[1:]
     why = plan_of(calls, reg)
     assert isinstance(why, str), why
+    if case == "forward hook":
+        assert why == "CALL logits = Sequential(x): Linear has hooks"
+
+
+@pytest.mark.parametrize("case", ["user forward", "user function", "overridden torch method",
+                                  "a function of the user's in a torch module"])
+def test_a_step_with_code_of_the_users_compiles_in_the_child_under_guards(case):
+    net, reg = mlp(), data()
+    calls = step_calls(net, reg)
     if case == "user forward":
-        assert why == "CALL logits = Mine(x): Mine computes with code of yours (or has hooks or parametrizations)"
+        calls = [CALL(Mine(), reg("x"), store_to=reg("logits"))] + calls[1:]
+    elif case == "user function":
+        calls = calls + [CALL(lambda v: v * 2, reg("loss"), store_to=reg("loss"))]
+    elif case == "overridden torch method":
+        calls = [CALL(ScaledConv(1, 1, 3), reg("x"), store_to=reg("logits"))] + calls[1:]
+    else:
+        layer = torch.nn.TransformerEncoderLayer(8, 2, activation=user_swish)
+        calls = [CALL(layer, reg("x"), store_to=reg("logits"))] + calls[1:]
+    p = plan_of(calls, reg)
+    assert isinstance(p, stateful.Plan) and p.guarded and p.ready() is not None
+    assert pickle.loads(stateful.payload(p, {}))["guarded"] is True
+    assert not plan_of(step_calls(mlp(), reg), reg).guarded  # torch's own code needs no guards
 
 
 def test_the_job_carries_layouts_not_data(tmp_path):
@@ -485,8 +497,10 @@ def test_the_package_runs_only_for_the_state_it_was_built_for(monkeypatch, asked
 
 def test_a_step_left_to_the_thread_says_why(asked):
     reg = data()
-    fast, _ = training(Mine(), reg, 3)
+    net = mlp()
+    net[1].register_forward_hook(lambda *a: None)
+    fast, _ = training(net, reg, 3)
     fast.run()
     rt = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED").runtime()
-    assert rt.refused == "CALL logits = Mine(x): Mine computes with code of yours (or has hooks or parametrizations)"
+    assert rt.refused == "CALL logits = Sequential(x): ReLU has hooks"
     assert asked and rt.compiles == 0  # the thread's compile, asked for instead

@@ -66,6 +66,11 @@ def holds_state(value: Any) -> bool:
     return False
 
 
+def torch_code(obj: Any) -> bool:
+    """A class or function defined in torch itself."""
+    return (getattr(obj, "__module__", None) or "").startswith("torch.")
+
+
 def torch_function(fn: Any) -> bool:
     """A function of torch itself (``torch.sin``, ``torch.nn.functional.relu``, ``torch.Tensor.add``, an
     ``OpOverload``), not bound to an object: no state of the program's process behind it."""

@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .checks import aoti_available, holds_state, mismatch, plain_tensor, settings, torch_function
+from .checks import aoti_available, holds_state, mismatch, plain_tensor, settings, torch_code, torch_function
 
 FORWARD, BACKWARD, META = "forward.pt2", "backward.pt2", "meta.json"
 
@@ -53,11 +53,8 @@ class Plan:
     tree: list[Any]                      # every module and submodule (their training flags are checked)
     grad: bool                           # grad mode when compiled
     layouts: list[tuple] = field(default_factory=list)  # the step's inputs
+    guarded: bool = False                # code of the user's runs in it: compiled under dynamo's guards
     ready: Callable[[], list | None] | None = None  # the per-call check, of the modules as planned (_ready)
-
-
-def _torch_code(obj: Any) -> bool:
-    return (getattr(obj, "__module__", None) or "").startswith("torch.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,33 +77,41 @@ def _torch_class(cls: type) -> bool:
     ``predict``), except harmless ones (``extra_repr``, ``__init__``...)."""
     torch_names: set[str] = set()
     for base in cls.__mro__:
-        if _torch_code(base) or base is object:
+        if torch_code(base) or base is object:
             torch_names.update(vars(base))
-    return all(_torch_code(base) or base is object or not (set(vars(base)) - _HARMLESS) & torch_names
+    return all(torch_code(base) or base is object or not (set(vars(base)) - _HARMLESS) & torch_names
                for base in cls.__mro__)
 
 
-def _plain_module(module: Any) -> bool:
-    """Every submodule computes with torch's own code (see _torch_class), with no hooks, parametrizations
-    or ``forward`` set on the instance."""
+def _module_kind(module: Any) -> str | None:
+    """None when every submodule computes with torch's own code (see _torch_class); USER when some compute
+    with code of the user's (a ``forward`` of theirs, a function of theirs given to a torch module: compiled
+    under dynamo's guards, flowvm/fused/guards.py); otherwise why the module stays on the thread (hooks,
+    parametrizations, a method set on an instance)."""
     import torch
 
     if any(_global_hooks()):
-        return False
+        return "global module hooks"
+    user = False
     for sub in module.modules():
-        if not _torch_class(type(sub)) or torch.nn.utils.parametrize.is_parametrized(sub):
-            return False
+        kind = type(sub).__name__
+        if torch.nn.utils.parametrize.is_parametrized(sub):
+            return f"{kind} has parametrizations"
         if any(getattr(sub, name, None) for name in _HOOKS):
-            return False
-        for name, value in vars(sub).items():  # a function of the user's given to a torch module
+            return f"{kind} has hooks"
+        user = user or not _torch_class(type(sub))
+        for name, value in vars(sub).items():
             if name in _internals():
                 continue
             if hasattr(type(sub), name) and callable(getattr(type(sub), name)):
-                return False  # a method replaced on the instance (its forward, say)
+                return f"{kind}.{name} is set on the instance"
             if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type)) \
                     and not torch_function(value):
-                return False  # an activation of yours, say: it may read anything of this process
-    return True
+                user = True  # an activation of yours, say
+    return USER if user else None
+
+
+USER = "code of the user's"
 
 
 def _zero_grad(call: Any) -> bool:
@@ -140,6 +145,7 @@ def plan(calls: Any, inputs: list, args: tuple) -> Plan | str:
     modules: list[Any] = []
     pre: list[Callable] = []
     kept = []
+    guarded = False  # some code of the user's runs in the step
     for call in calls:
         if _zero_grad(call):
             pre.append(call.fn)
@@ -147,13 +153,16 @@ def plan(calls: Any, inputs: list, args: tuple) -> Plan | str:
         if holds_state(list(call.args)) or holds_state(dict(call.kwargs)):
             return f"CALL {call_text(call)}: a tensor or module among its arguments"
         if isinstance(call.fn, torch.nn.Module):
-            if not _plain_module(call.fn):
-                return (f"CALL {call_text(call)}: {type(call.fn).__name__} computes with code of yours (or has "
-                        "hooks or parametrizations)")
+            kind = _module_kind(call.fn)
+            if kind is not None and kind != USER:
+                return f"CALL {call_text(call)}: {kind}"
+            guarded = guarded or kind == USER
             if not any(m is call.fn for m in modules):
                 modules.append(call.fn)
         elif not torch_function(call.fn):
-            return f"CALL {call_text(call)}: a function that is not torch's own"
+            if getattr(call.fn, "__self__", None) is not None and not isinstance(call.fn.__self__, types.ModuleType):
+                return f"CALL {call_text(call)}: a method bound to an object"
+            guarded = True
         kept.append(call)
     if not modules or not kept or _zero_grad(calls[-1]):
         return "no module to compile, or a zero_grad call ends the step"
@@ -184,7 +193,8 @@ def plan(calls: Any, inputs: list, args: tuple) -> Plan | str:
     tree = [sub for m in modules for sub in m.modules()]
     head = generate(types.SimpleNamespace(calls=kept, inputs=list(inputs), outputs=_written(kept))).fused
     p = Plan(head=head, pre=pre, modules=modules, state=state, where=where, binds=binds, tree=tree,
-             grad=torch.is_grad_enabled(), layouts=[(tuple(a.shape), tuple(a.stride()), a.dtype) for a in args])
+             grad=torch.is_grad_enabled(), layouts=[(tuple(a.shape), tuple(a.stride()), a.dtype) for a in args],
+             guarded=guarded)
     p.ready = _ready(p)  # now: the child compiles the modules as they are now
     return p
 
@@ -220,7 +230,8 @@ def payload(p: Plan, options: dict) -> bytes:
             return super().reducer_override(obj)
 
     job = {"kind": "stateful", "head": p.head, "modules": p.modules, "state": p.state, "binds": p.binds,
-           "grad": p.grad, "layouts": p.layouts, "options": dict(options), **settings()}
+           "grad": p.grad, "layouts": p.layouts, "guarded": p.guarded, "options": dict(options),
+           **settings()}
     buf = io.BytesIO()
     StandIns(buf, protocol=5).dump(job)
     return buf.getvalue()
@@ -249,6 +260,15 @@ def compile_job(job: dict, workdir: str) -> None:
                 stack.enter_context(_reparametrize_module(module, {k: a[i] for k, i in bind.items()},
                                                           tie_weights=True, strict=False))
             return head(*a[n:])
+
+    reads = None
+    if job.get("guarded"):  # code of the user's: what it reads of the program, as dynamo's guards
+        from .guards import Untraceable, trace
+
+        try:
+            reads = trace(head, modules, [i.clone() for i in inputs], grad)
+        except Untraceable as why:
+            raise Refused(str(why)) from None
 
     def fresh():
         return [s.detach().clone().requires_grad_(s.requires_grad) for s in job["state"]] + [i.clone() for i in inputs]
@@ -317,7 +337,7 @@ def compile_job(job: dict, workdir: str) -> None:
     _package(forward, forward_in, os.path.join(workdir, FORWARD), job["options"])
     if backward is not None:
         _package(backward, backward_in, os.path.join(workdir, BACKWARD), job["options"])
-    meta = {"index": index, "needs": needs, "results": len(uniq), "saved": saved, "mutated": mutated,
+    meta = {"index": index, "needs": needs, "reads": reads, "results": len(uniq), "saved": saved, "mutated": mutated,
             "backward_in": [[list(s), list(t)] for s, t, _ in backward_in] if backward is not None else None}
     with open(os.path.join(workdir, META), "w") as f:
         json.dump(meta, f)
@@ -406,6 +426,11 @@ class Kernel:
         self.mutated = meta["mutated"]
         self.expected = [(tuple(s), tuple(t)) for s, t in meta["backward_in"] or []]
         self.ready = p.ready
+        if meta["reads"] is not None:  # and what the user's code read is as the child saw it
+            from .guards import check
+
+            state, values = p.ready, check(p.head, p.modules, meta["reads"])
+            self.ready = lambda: state() if values() else None
         p.state = []  # the tensors it was planned for: ready() reads the modules' own
         self.before: tuple | None = None  # the first call's buffers and generator state, for verify
         kernel = self
@@ -521,9 +546,11 @@ def _global_hooks() -> list:
     return [getattr(nnmodule, name, None) for name in _GLOBAL_HOOKS]
 
 
-def _module_checks(k: int, module: Any, ns: dict) -> list[str]:
+def _module_checks(k: int, module: Any, ns: dict, guarded: bool) -> list[str]:
     """Source checking that module k computes what it computed when compiled: the same training flag,
-    submodules and settings (a Dropout's ``p``, a BatchNorm's ``eps``...), and no hook."""
+    submodules and settings (a Dropout's ``p``, a BatchNorm's ``eps``...), and no hook.  A guarded step's
+    settings are those its guards name (flowvm/fused/guards.py), not every attribute: a counter of the
+    user's that the step does not read may change."""
     import torch
 
     internals = _internals()
@@ -539,7 +566,7 @@ def _module_checks(k: int, module: Any, ns: dict) -> list[str]:
         ns[f"mc{k}_{j}"] = child
         checks.append(f"m{k}['_modules'].get({name!r}) is mc{k}_{j}")
     for j, (name, value) in enumerate(attrs.items()):
-        if name in internals:
+        if name in internals or guarded:
             continue
         same = all(isinstance(v, plain) for v in value) if isinstance(value, (tuple, list)) else isinstance(value, plain)
         ns[f"mv{k}_{j}"] = (type(value), list(value) if same and isinstance(value, list) else value)
@@ -569,7 +596,7 @@ def _ready(p: Plan) -> Callable[[], list | None]:
                       f"and s{k}_0.stride() == t{k} and s{k}_0.requires_grad is {tensor.requires_grad} "
                       f"and s{k}_0.is_cpu and s{k}_0.layout is strided and not s{k}_0.is_neg()")
     for k, module in enumerate(p.tree):
-        checks += _module_checks(k, module, ns)
+        checks += _module_checks(k, module, ns, p.guarded)
     ns["global_hooks"] = _global_hooks
     checks.append("not any(global_hooks())")
     lines.append(f"    if {' and '.join(checks)}:")

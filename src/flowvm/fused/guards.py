@@ -1,0 +1,300 @@
+"""Guards for a stateful step that computes with the user's own code (a module's ``forward``, a function of
+theirs), so that it can compile in a child process (flowvm/fused/stateful.py) without freezing a value the
+program may change.
+
+The user's code may read anything of the program's process: a global (``SCALE``), a class attribute, a
+setting of a config object, a function it calls.  The child unpickles that code with the values the parent
+had when the step was planned, and a package built from them is right only while they stay so.  Dynamo
+knows what such code reads, so the child asks it:
+
+- in the child (``trace``), dynamo traces the step as one graph (``fullgraph``: a print, a call it cannot
+  trace, or control flow on a tensor's value refuses the step) and the step must change no object that
+  existed before it (a counter ``self.calls += 1``, an ``append`` to a global list refuse it too);
+- the guards dynamo builds name each value read by a *source*, an expression such as
+  ``G['__import___main__'].SCALE`` or ``G['f0'].temp`` over the step's globals, and a kind (its value, its
+  type, the object itself, a dict's keys...); each comes back with a description of what the child saw
+  (``describe``), and kinds this module does not know refuse the step;
+- in the parent (``check``), each source is evaluated against the program's own objects when the package
+  arrives and must describe as the child's did (else the package is not used), and a generated function
+  checks all of them, against the parent's objects, before every call of the package.
+
+Tensors are not described here: the state check of stateful.py covers every parameter, buffer and input,
+and a tensor read from elsewhere would be a constant of the graph, which the child refuses.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import collections
+import hashlib
+import sys
+import types
+from typing import Any, Callable
+
+from .checks import torch_code
+
+# what a kind checks before each call, given the source's value ``v`` and what the parent recorded ``o``
+_CHECKS = {
+    "CONSTANT_MATCH": "type({v}) is {o}[0] and {v} == {o}[1]",
+    "EQUALS_MATCH": "type({v}) is {o}[0] and {v} == {o}[1]",
+    "TYPE_MATCH": "type({v}) is {o}",
+    "ID_MATCH": "{v} is {o}",
+    "MODULE_MATCH": "{v} is {o}",
+    "BUILTIN_MATCH": "{v} is {o}",
+    "FUNCTION_MATCH": "{v} is {o}",
+    "CLOSURE_MATCH": "{v}.__code__ is {o}",
+    "EMPTY_NN_MODULE_HOOKS_DICT": "not {v}",
+    "SEQUENCE_LENGTH": "len({v}) == {o}",
+    "DICT_LENGTH": "len({v}) == {o}",
+    "LENGTH_CHECK": "len({v}) == {o}",
+    "DICT_KEYS_MATCH": "list(dict.keys({v})) == {o}",
+    "NOT_PRESENT_IN_GENERIC_DICT": "{o} not in {v}.__dict__",
+    "HASATTR": "hasattr({v}, {o}[0]) is {o}[1]",
+    "DUPLICATE_INPUT": "{v} is {o}",  # the same object as at arrival, and so as the other source
+}
+_SKIPPED = {"TENSOR_MATCH"}  # the state check's
+# what a source may name: the step's globals and a few functions (a class attribute's source is
+# ``dict(type(G['x'].config).__dict__)['shift']``)
+_NAMES = {"G", "type", "dict", "len", "getattr", "___odict_getitem"}
+
+
+def _name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
+
+
+def _code(fn: Any) -> str:
+    code = fn.__code__
+    return hashlib.sha1(code.co_code + repr(code.co_names).encode()).hexdigest()[:16]
+
+
+def describe(kind: str, value: Any, extra: Any = None) -> str:
+    """What a guard of this kind saw at its source, in words both processes compute alike."""
+    if kind in ("CONSTANT_MATCH", "EQUALS_MATCH"):
+        return f"{_name(type(value))} {value!r}"
+    if kind == "TYPE_MATCH":
+        return _name(type(value))
+    if kind in ("ID_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "CLOSURE_MATCH", "DUPLICATE_INPUT"):
+        if isinstance(value, types.ModuleType):
+            return f"module {value.__name__}"
+        if isinstance(value, types.FunctionType):
+            return f"function {_name(value)} {_code(value)}"
+        if hasattr(value, "__qualname__") or isinstance(value, types.BuiltinFunctionType):
+            return f"{type(value).__name__} {_name(value)}"
+        return f"a {_name(type(value))}"
+    if kind == "EMPTY_NN_MODULE_HOOKS_DICT":
+        return f"empty {not value}"
+    if kind in ("SEQUENCE_LENGTH", "DICT_LENGTH", "LENGTH_CHECK"):
+        return f"length {len(value)}"
+    if kind == "DICT_KEYS_MATCH":
+        return f"keys {list(dict.keys(value))!r}"
+    if kind == "NOT_PRESENT_IN_GENERIC_DICT":
+        return f"{extra!r} not in its dict: {extra not in vars(value)}"
+    if kind == "HASATTR":
+        return f"has {extra!r}: {hasattr(value, extra)}"
+    raise ValueError(kind)
+
+
+def _recorded(kind: str, value: Any, extra: Any) -> Any:
+    """What the parent's check compares the source's value with before each call (see _CHECKS)."""
+    if kind in ("CONSTANT_MATCH", "EQUALS_MATCH"):
+        return (type(value), value)
+    if kind == "TYPE_MATCH":
+        return type(value)
+    if kind == "CLOSURE_MATCH":
+        return value.__code__
+    if kind in ("SEQUENCE_LENGTH", "DICT_LENGTH", "LENGTH_CHECK"):
+        return len(value)
+    if kind == "DICT_KEYS_MATCH":
+        return list(dict.keys(value))
+    if kind == "NOT_PRESENT_IN_GENERIC_DICT":
+        return extra
+    if kind == "HASATTR":
+        return (extra, hasattr(value, extra))
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ the child
+def _by_value_globals(roots: list) -> dict[str, dict]:
+    """For each module name, the globals of the functions reachable from roots that the parent pickled by
+    value (a ``__main__`` script's): their globals are not their module's in this process."""
+    found: dict[str, dict] = {}
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type):
+            for base in obj.__mro__:
+                todo.extend(vars(base).values())
+        elif isinstance(obj, (staticmethod, classmethod)):
+            todo.append(obj.__func__)
+        elif isinstance(obj, property):
+            todo.extend(f for f in (obj.fget, obj.fset) if f is not None)
+        elif isinstance(obj, types.FunctionType):
+            g = obj.__globals__
+            name = g.get("__name__")
+            module = sys.modules.get(name) if isinstance(name, str) else None
+            if name is not None and (module is None or vars(module) is not g):
+                found.setdefault(name, {}).update(g)
+                todo.extend(v for v in g.values() if isinstance(v, (types.FunctionType, type)))
+            for cell in obj.__closure__ or ():
+                try:
+                    todo.append(cell.cell_contents)
+                except ValueError:
+                    pass
+    return found
+
+
+class Untraceable(Exception):
+    """Dynamo cannot make the step one graph of tensor operations with no other effect (the message says
+    why)."""
+
+
+def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
+    """In the child: dynamo's guards of ``head(*inputs)`` (its modules as unpickled here), as
+    ``{"guards": [[kind, source, description, extra]...], "imports": {global name: module name}}``
+    (raises Untraceable)."""
+    import torch
+    from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
+
+    roots: list = [head] + [v for v in head.__globals__.values() if callable(v)]
+    for module in modules:
+        for sub in module.modules():
+            roots.append(type(sub))
+            roots.extend(v for v in vars(sub).values() if callable(v))
+    stand_ins = _by_value_globals(roots)
+    own = set(head.__globals__)  # dynamo adds the modules it reads through to them
+    saved = {name: sys.modules.get(name) for name in stand_ins}
+    entries: list = []
+    found: dict[str, Any] = {}
+
+    def keep(given):
+        entries.extend(given)
+        return [True] * len(given)
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        output = InstructionTranslator.current_tx().output
+        effects = output.side_effects
+        found["changed"] = [v for v in effects.id_to_variable.values()
+                            if not isinstance(v.mutation_type, (AttributeMutationNew, ValueMutationNew))
+                            and effects.is_modified(v)]
+        found["globals"] = dict(output.global_scope)
+        return gm.forward
+
+    try:
+        for name, g in stand_ins.items():  # dynamo reads a by-value function's globals through its module
+            stand_in = types.ModuleType(name)
+            stand_in.__dict__.update(g)
+            sys.modules[name] = stand_in
+        torch._dynamo.reset()
+        traced = torch._dynamo.optimize(backend, nopython=True, guard_filter_fn=keep)(head)
+        try:
+            with torch.set_grad_enabled(grad):
+                traced(*inputs)
+        except Exception as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise Untraceable(f"dynamo cannot trace it as one graph ({first})") from None
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+        torch._dynamo.reset()
+    if found.get("changed"):
+        raise Untraceable(f"it changes objects of the program ({found['changed'][0]})")
+    imports: dict[str, str] = {}
+    for name, value in found.get("globals", {}).items():
+        if name in own:
+            continue
+        if isinstance(value, types.ModuleType):
+            imports[name] = value.__name__
+        elif value is vars(builtins):
+            imports[name] = "builtins.__dict__"
+    guards = []
+    for e in entries:
+        kind, source = e.guard_type, e.name
+        if kind in _SKIPPED or not source:
+            continue  # tensors; the grad mode and torch's global settings (checked or sent as settings)
+        if kind not in _CHECKS:
+            raise Untraceable(f"a guard of a kind not checked here ({kind} on {source})")
+        names = {n.id for n in ast.walk(ast.parse(source, mode="eval")) if isinstance(n, ast.Name)}
+        if not names <= _NAMES:
+            raise Untraceable(f"a guard on something not global ({kind} on {source})")
+        keywords = getattr(e.orig_guard.create_fn, "keywords", None) or {}
+        extra = keywords.get("attr")
+        if kind == "DUPLICATE_INPUT":
+            extra = keywords["source_b"].name
+        if not e.has_value:
+            raise Untraceable(f"a guard whose value dynamo could not read ({kind} on {source})")
+        guards.append([kind, source, describe(kind, e.value, extra), extra])
+    return {"guards": guards, "imports": imports, "classes": _classes(modules)}
+
+
+def _classes(modules: list) -> dict[str, str]:
+    """The code of the user's classes among the modules, method by method (a file edited since the program
+    imported it would give the child other code than the program runs)."""
+    found: dict[str, str] = {}
+    for module in modules:
+        for sub in module.modules():
+            for cls in type(sub).__mro__:
+                if cls is object or torch_code(cls):
+                    continue
+                for name, fn in vars(cls).items():
+                    if isinstance(fn, types.FunctionType):
+                        found[f"{_name(cls)}.{name}"] = describe("FUNCTION_MATCH", fn)
+    return found
+
+
+# ----------------------------------------------------------------------------------------------- the parent
+def _scope(head: Callable, imports: dict[str, str]) -> dict:
+    """The ``G`` the sources read: the step's globals and the modules dynamo reached them through."""
+    scope = dict(head.__globals__)
+    for name, module in imports.items():
+        if module == "builtins.__dict__":
+            scope[name] = vars(builtins)
+        elif module in sys.modules:
+            scope[name] = sys.modules[module]
+        else:
+            raise ValueError(f"the step reads module {module}, which this process has not imported")
+    return scope
+
+
+def check(head: Callable, modules: list, traced: dict) -> Callable[[], bool]:
+    """In the parent, when the package arrives: a generated function telling whether every value the
+    child's dynamo guarded is still what the child saw (raises ValueError when one already differs, or when
+    the child's classes have other code than the program's)."""
+    mine = _classes(modules)
+    for name, want in traced["classes"].items():
+        if mine.get(name) != want:
+            raise ValueError(f"{name} has other code here than the compile saw (a file edited since it was imported?)")
+    G = _scope(head, traced["imports"])
+    ns: dict[str, Any] = {"G": G, "___odict_getitem": collections.OrderedDict.__getitem__}
+    parts: list[str] = []
+    seen: set[tuple] = set()
+    for k, (kind, source, want, extra) in enumerate(traced["guards"]):
+        if (kind, source, extra) in seen:
+            continue
+        seen.add((kind, source, extra))
+        expr = compile(source, "<flowvm guard>", "eval")
+        try:
+            value = eval(expr, ns)  # noqa: S307 - a source dynamo wrote in the child for this step
+        except Exception as err:
+            raise ValueError(f"{source} cannot be read here ({type(err).__name__}: {err})") from None
+        got = describe(kind, value, extra)
+        if got != want:
+            raise ValueError(f"{source} is {got} here, the compile saw {want}")
+        recorded = _recorded(kind, value, extra)
+        if kind == "DUPLICATE_INPUT" and eval(compile(extra, "<flowvm guard>", "eval"), ns) is not value:  # noqa: S307
+            raise ValueError(f"{source} is not {extra} here, as it was for the compile")
+        ns[f"o{k}"] = recorded
+        parts.append("(" + _CHECKS[kind].format(v=f"({source})", o=f"o{k}") + ")")
+    body = " and ".join(parts) or "True"
+    code = f"def guards():\n    try:\n        return bool({body})\n    except Exception:\n        return False\n"
+    exec(compile(code, "<flowvm FUSED guards>", "exec"), ns)  # noqa: S102
+    return ns["guards"]

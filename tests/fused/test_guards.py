@@ -1,0 +1,219 @@
+"""A fused step computing with the user's own code (a module's forward, an activation of theirs) compiles in a
+child process under dynamo's guards: the package runs only while every value that code read (a global, a
+config object's setting, a function it calls) is what the child saw, and code the child cannot trust as
+one graph with no other effect stays on the thread."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from flowvm import CALL, Registers
+from flowvm.fused import guards, outofprocess, stateful
+
+F = torch.nn.functional
+
+
+def python_env() -> dict:
+    import os
+
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
+
+class Config:
+    shift = 0.5
+
+
+SCALE = 2.0
+config = Config()
+MODE = ""
+seen: list = []
+
+
+def swish(x):
+    return x * torch.sigmoid(x)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+        self.act = swish
+        self.temperature = 1.5
+        self.calls = 0
+
+    def forward(self, x):
+        h = self.act(self.fc1(x)) * SCALE + config.shift
+        if MODE == "print":
+            print("a line")
+        elif MODE == "counter":
+            self.calls += 1
+        elif MODE == "append":
+            seen.append(1)
+        elif MODE == "branch on a value" and h.sum() > 0:
+            h = h * 2
+        return self.fc2(h) / self.temperature
+
+
+def planned(net):
+    g = torch.Generator().manual_seed(3)
+    reg = Registers(x=torch.randn(32, 8, generator=g), y=torch.randint(0, 3, (32,), generator=g))
+    calls = [CALL(net, reg("x"), store_to=reg("logits")),
+             CALL(F.cross_entropy, reg("logits"), reg("y"), store_to=reg("loss"))]
+    p = stateful.plan(calls, [reg("x"), reg("y")], (reg["x"], reg["y"]))
+    assert isinstance(p, stateful.Plan) and p.guarded
+    return p, reg
+
+
+def test_the_guards_hold_while_what_the_code_reads_is_unchanged(monkeypatch):
+    net = Net()
+    p, reg = planned(net)
+    reads = guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True)
+    sources = {source for _, source, _, _ in reads["guards"]}
+    assert "G['__import_test_guards'].SCALE" in sources  # a global of the module the code lives in
+    assert "dict(type(G['__import_test_guards'].config).__dict__)['shift']" in sources  # a class attribute
+    assert "G['f0'].temperature" in sources and "G['f0'].calls" not in sources  # what forward reads, only
+    holds = guards.check(p.head, p.modules, reads)
+    assert holds()
+    net.calls += 1
+    assert holds()  # a counter forward does not read
+    for change, undo in [(lambda: monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0), monkeypatch.undo),
+                         (lambda: setattr(config, "shift", 0.25), lambda: delattr(config, "shift")),
+                         (lambda: setattr(Config, "shift", 0.25), lambda: setattr(Config, "shift", 0.5)),
+                         (lambda: setattr(net, "temperature", 2), lambda: setattr(net, "temperature", 1.5)),
+                         (lambda: setattr(net, "act", torch.tanh), lambda: setattr(net, "act", swish))]:
+        change()
+        assert not holds()
+        undo()
+        assert holds()
+
+
+def test_a_package_is_not_used_when_what_the_code_read_changed_before_it_arrived(monkeypatch):
+    net = Net()
+    p, reg = planned(net)
+    reads = guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True)
+    monkeypatch.setattr(Config, "shift", 0.75)
+    with pytest.raises(ValueError, match=r"\['shift'\] is builtins.float 0.75 here, the compile saw builtins.float 0.5"):
+        guards.check(p.head, p.modules, reads)
+    monkeypatch.undo()
+    monkeypatch.setattr(Net, "forward", lambda self, x: self.fc2(self.fc1(x)))  # other code than the child's
+    with pytest.raises(ValueError, match="Net.forward has other code here than the compile saw"):
+        guards.check(p.head, p.modules, reads)
+
+
+@pytest.mark.parametrize("mode", ["print", "counter", "append", "branch on a value"])
+def test_the_child_leaves_code_with_effects_beyond_one_graph_to_the_thread_and_says_why(mode, tmp_path, monkeypatch):
+    """Run as the program's child runs it: the step pickled, traced in another process."""
+    p, _ = planned(Net())
+    (tmp_path / "job.pkl").write_bytes(stateful.payload(p, {"fallback_random": True}))
+    env = python_env()
+    script = f"import test_guards; test_guards.MODE = {mode!r}; " + outofprocess.CHILD
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=200)
+    assert out.returncode == 3, out.stderr[-2000:]
+    reason = json.loads(out.stdout.strip().splitlines()[-1])["refused"]
+    if mode in ("counter", "append"):
+        assert reason.startswith("it changes objects of the program"), reason
+    else:
+        assert reason.startswith("dynamo cannot trace it as one graph"), reason
+    assert not any(f.suffix == ".pt2" for f in tmp_path.iterdir())
+
+
+@pytest.mark.timeout(400)
+def test_a_model_of_the_users_trains_on_its_package_and_runs_eagerly_while_a_global_it_reads_differs():
+    """A script's own model (its classes and functions pickled by value), with BatchNorm and dropout, trained
+    on scikit-learn's digits: as eager code trains it, through the package while SCALE is as compiled."""
+    script = textwrap.dedent("""
+        import copy, json, threading, time
+        import torch
+        from sklearn.datasets import load_digits
+        from flowvm import CALL, REPEAT, SEQ, Registers
+        from flowvm.passes.fuse_torch import fuse_torch
+        F = torch.nn.functional
+        SCALE = 1.0
+
+        class Settings:
+            shift = 0.1
+
+        settings = Settings()
+
+        def swish(x):
+            return x * torch.sigmoid(x)
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1, self.bn = torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32)
+                self.drop, self.fc2 = torch.nn.Dropout(0.2), torch.nn.Linear(32, 10)
+                self.act = swish
+                self.updates = 0
+
+            def forward(self, x):
+                return self.fc2(self.drop(self.act(self.bn(self.fc1(x))) * SCALE + settings.shift))
+
+        digits = load_digits()
+        x = torch.tensor(digits.data[:128], dtype=torch.float32) / 16
+        y = torch.tensor(digits.target[:128])
+        torch.manual_seed(0)
+        net = Net()
+        ref = copy.deepcopy(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        reg = Registers(x=x, y=y)
+        done = []
+        opt.register_step_post_hook(lambda *a: done.append(1))
+        body = SEQ([CALL(opt.zero_grad), CALL(net, reg("x"), store_to=reg("logits")),
+                    CALL(F.cross_entropy, reg("logits"), reg("y"), store_to=reg("loss")),
+                    CALL(torch.Tensor.backward, reg("loss")), CALL(opt.step)])
+        fast = fuse_torch(REPEAT(10**9, body), compile_after=0, payback=0, form="compiled")
+        rt = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED").runtime()
+        torch.manual_seed(1)
+        drv = fast.start()
+
+        def updates(k):
+            target = len(done) + k
+            while len(done) < target:
+                drv.run(max_steps=1)
+            net.updates += k  # a counter forward does not read: the package still runs
+
+        updates(1)
+        deadline = time.time() + 240
+        while rt._direct is None and rt.refused is None and time.time() < deadline:
+            updates(1)
+            time.sleep(0.05)
+        before = len(done)
+        updates(100)
+        hits_compiled = rt.hits
+        threads = sorted(t.name for t in threading.enumerate())
+        SCALE = 2.0  # read by forward: eager until it is 1.0 again
+        updates(50)
+        hits_changed = rt.hits
+        SCALE = 1.0
+        updates(50)
+        torch.manual_seed(1)
+        for k in range(len(done)):
+            SCALE = 2.0 if before + 100 <= k < before + 150 else 1.0
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+        print(json.dumps({
+            "refused": rt.refused, "state": rt.state, "hits": [hits_compiled, hits_changed, rt.hits],
+            "max_diff": max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters())),
+            "stats": max((a - b).abs().max().item() for a, b in zip(net.buffers(), ref.buffers())),
+            "loss": float(F.cross_entropy(net(x), y)), "threads": threads}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=python_env(),
+                         timeout=380)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["refused"] is None and got["state"] == "compiled", got
+    compiled, changed, last = got["hits"]
+    assert compiled >= 100 and changed == compiled and last >= changed + 50, got  # eager while SCALE differed
+    assert got["max_diff"] < 1e-3 and got["stats"] < 1e-3 and got["loss"] < 0.5, got  # as torch's eager loop
+    assert "flowvm-compile" not in got["threads"]  # the compile thread had not run before SCALE changed
