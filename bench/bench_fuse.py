@@ -82,6 +82,18 @@ def mlp():
                                torch.nn.ReLU(), torch.nn.Linear(128, 2))
 
 
+class OwnMLP(torch.nn.Module):
+    """The MLP as users write models: a class with its own forward (compiled under dynamo's guards)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h1, self.h2, self.out = torch.nn.Linear(512, 256), torch.nn.Linear(256, 128), torch.nn.Linear(128, 2)
+
+    def forward(self, x):
+        return self.out(F.relu(self.h2(F.relu(self.h1(x)))))
+
+
 def mlp_infer_case():
     net = mlp()
     reg = Registers(x=torch.randn(1, 512))
@@ -93,8 +105,8 @@ def mlp_infer_case():
     return dict(body=body, reg=reg, hand=hand, args=(reg["x"],), kind="repeat")
 
 
-def train_case(optimizer: str, kind: str):
-    net = mlp()
+def train_case(optimizer: str, kind: str, own: bool = False):
+    net = OwnMLP() if own else mlp()
     opt = (torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9) if optimizer == "sgd"
            else torch.optim.Adam(net.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(1)

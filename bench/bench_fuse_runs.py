@@ -20,7 +20,8 @@ Cases: the d2l MLP's training step (SGD) and its inference, 300 and 20,000 itera
 the 10-op elementwise chain and the MLP's training step with a compile forced to start at once
 (``compile_after=0, payback=0``) over a long run, to show the program's pace while the compiler imports and
 compiles in the background: in a child process (the default, "start-at-once") and on the compile thread
-("at-once-thread", ``compile_in="thread"``); and the chain's steady state, compiled (forced, compiled before
+("at-once-thread", ``compile_in="thread"``), also for the same MLP written as a class with its own
+forward ("own", compiled in the child under dynamo's guards); and the chain's steady state, compiled (forced, compiled before
 timing) against interpreted (target: at least 2x).  ``--only train/start-at-once`` (case/mode, repeatable)
 runs some rows only.
 Figures are reported, never asserted; JSON goes to bench/results/fuse_runs.json.
@@ -57,7 +58,7 @@ def child(case: str, mode: str, n: int) -> dict:
 
     torch.set_num_threads(1)
     made = {"train": lambda: bench_fuse.train_case("sgd", "repeat"), "infer": bench_fuse.mlp_infer_case,
-            "chain": bench_fuse.chain_case}[case]()
+            "chain": bench_fuse.chain_case, "own": lambda: bench_fuse.train_case("sgd", "repeat", own=True)}[case]()
     stamps: list[float] = []
     program = REPEAT(n, SEQ([made["body"], CALL(lambda: stamps.append(time.perf_counter()))]))
     if mode == "default":
@@ -131,7 +132,8 @@ def main(argv=None) -> int:
     plan = ([("train", "default", 300), ("infer", "default", 300), ("chain", "compiled", 3000)] if args.quick else
             [("train", "default", 300), ("train", "default", 20000), ("infer", "default", 300),
              ("infer", "default", 20000), ("chain", "start-at-once", 1500000), ("chain", "at-once-thread", 1500000),
-             ("chain", "compiled", 100000), ("train", "start-at-once", 100000), ("train", "at-once-thread", 100000)])
+             ("chain", "compiled", 100000), ("train", "start-at-once", 100000), ("train", "at-once-thread", 100000),
+             ("own", "start-at-once", 100000), ("own", "at-once-thread", 100000)])
     if args.only:
         plan = [row for row in plan if f"{row[0]}/{row[1]}" in args.only]
     rows = [compare(case, mode, n, rounds) for case, mode, n in plan]

@@ -5,7 +5,9 @@ one graph with no other effect stays on the thread."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -33,6 +35,7 @@ SCALE = 2.0
 config = Config()
 MODE = ""
 seen: list = []
+MASK = torch.ones(16)
 
 
 def swish(x):
@@ -58,6 +61,8 @@ class Net(torch.nn.Module):
             seen.append(1)
         elif MODE == "branch on a value" and h.sum() > 0:
             h = h * 2
+        elif MODE == "a global tensor":
+            h = h * MASK  # its values would be frozen in the package
         return self.fc2(h) / self.temperature
 
 
@@ -107,7 +112,86 @@ def test_a_package_is_not_used_when_what_the_code_read_changed_before_it_arrived
         guards.check(p.head, p.modules, reads)
 
 
-@pytest.mark.parametrize("mode", ["print", "counter", "append", "branch on a value"])
+@dataclasses.dataclass
+class Hyper:
+    scale: float = 2.0
+    residual: bool = True
+
+
+hyper = Hyper()
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+CHOICE = {"act": "relu"}
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin, self.norm = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + F.gelu(self.lin(self.norm(x))) if hyper.residual else self.lin(x)
+
+
+class Deep(torch.nn.Module):  # a ModuleList walked in a loop, a dataclass and a dict of settings
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+        self.blocks = torch.nn.ModuleList([Block(16) for _ in range(3)])
+        self.width = 16
+
+    def forward(self, x):
+        h = self.inp(x) / math.sqrt(self.width)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(ACTIVATIONS[CHOICE["act"]](h) * hyper.scale)
+
+
+class Conv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv(x.view(x.size(0), 1, 2, 4)))), 2)
+        return self.fc(torch.flatten(x, 1) * hyper.scale)
+
+
+class Recurrent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.fc = torch.nn.LSTM(8, 16, batch_first=True), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(x.unsqueeze(1))
+        return self.fc(out[:, -1]) * hyper.scale
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.emb, self.enc, self.fc = torch.nn.Linear(8, 16), torch.nn.TransformerEncoder(layer, 2), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc(self.enc(self.emb(x).unsqueeze(1)).mean(1)) * hyper.scale
+
+
+@pytest.mark.parametrize("model", [Deep, Conv, Recurrent, Encoder])
+def test_the_guards_of_common_model_shapes_are_checked_here(model, monkeypatch):
+    net = model()
+    p, reg = planned(net)
+    holds = guards.check(p.head, p.modules, guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True))
+    assert holds()
+    monkeypatch.setattr(hyper, "scale", 3.0)
+    assert not holds()  # a dataclass's field the forward reads
+    monkeypatch.undo()
+    assert holds()
+    if model is Deep:
+        monkeypatch.setitem(CHOICE, "act", "gelu")
+        assert not holds()  # a dict's entry, and the function it names
+
+
+@pytest.mark.parametrize("mode", ["print", "counter", "append", "branch on a value", "a global tensor"])
 def test_the_child_leaves_code_with_effects_beyond_one_graph_to_the_thread_and_says_why(mode, tmp_path, monkeypatch):
     """Run as the program's child runs it: the step pickled, traced in another process."""
     p, _ = planned(Net())
@@ -120,6 +204,8 @@ def test_the_child_leaves_code_with_effects_beyond_one_graph_to_the_thread_and_s
     reason = json.loads(out.stdout.strip().splitlines()[-1])["refused"]
     if mode in ("counter", "append"):
         assert reason.startswith("it changes objects of the program"), reason
+    elif mode == "a global tensor":
+        assert reason.startswith("a tensor constant"), reason
     else:
         assert reason.startswith("dynamo cannot trace it as one graph"), reason
     assert not any(f.suffix == ".pt2" for f in tmp_path.iterdir())

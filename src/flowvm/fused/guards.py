@@ -28,6 +28,7 @@ import ast
 import builtins
 import collections
 import hashlib
+import re
 import sys
 import types
 from typing import Any, Callable
@@ -43,6 +44,7 @@ _CHECKS = {
     "MODULE_MATCH": "{v} is {o}",
     "BUILTIN_MATCH": "{v} is {o}",
     "FUNCTION_MATCH": "{v} is {o}",
+    "CLASS_MATCH": "{v} is {o}",
     "CLOSURE_MATCH": "{v}.__code__ is {o}",
     "EMPTY_NN_MODULE_HOOKS_DICT": "not {v}",
     "SEQUENCE_LENGTH": "len({v}) == {o}",
@@ -74,7 +76,8 @@ def describe(kind: str, value: Any, extra: Any = None) -> str:
         return f"{_name(type(value))} {value!r}"
     if kind == "TYPE_MATCH":
         return _name(type(value))
-    if kind in ("ID_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "CLOSURE_MATCH", "DUPLICATE_INPUT"):
+    if kind in ("ID_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "CLOSURE_MATCH",
+                "DUPLICATE_INPUT"):
         if isinstance(value, types.ModuleType):
             return f"module {value.__name__}"
         if isinstance(value, types.FunctionType):
@@ -193,8 +196,8 @@ def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
             sys.modules[name] = stand_in
         torch._dynamo.reset()
         traced = torch._dynamo.optimize(backend, nopython=True, guard_filter_fn=keep)(head)
-        try:
-            with torch.set_grad_enabled(grad):
+        try:  # an LSTM is torch's own code, compiled by AOTAutograd as in the steps with modules only
+            with torch.set_grad_enabled(grad), torch._dynamo.config.patch(allow_rnn=True):
                 traced(*inputs)
         except Exception as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -216,9 +219,13 @@ def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
             imports[name] = value.__name__
         elif value is vars(builtins):
             imports[name] = "builtins.__dict__"
+    state = {id(t) for module in modules for t in (*module.parameters(), *module.buffers())}
     guards = []
     for e in entries:
-        kind, source = e.guard_type, e.name
+        kind, source = e.guard_type, e.orig_guard.name
+        if kind == "TENSOR_MATCH" and not source.startswith("L[") and id(e.value) not in state:
+            raise Untraceable(f"a tensor constant: {source} is not a parameter, buffer or input of the step "
+                              "(the package would hold its values)")
         if kind in _SKIPPED or not source:
             continue  # tensors; the grad mode and torch's global settings (checked or sent as settings)
         if kind not in _CHECKS:
@@ -265,6 +272,30 @@ def _scope(head: Callable, imports: dict[str, str]) -> dict:
     return scope
 
 
+_MODULE_DICTS = ("_parameters", "_buffers", "_modules")
+_BARE = re.compile(r"G\[('[^']*'|\"[^\"]*\")\]")
+
+
+def _covered(kind: str, source: str, value: Any, extra: Any, ns: dict, tree: dict[int, Any]) -> bool:
+    """Whether a guard needs no check of its own before each call: its source is an entry of the step's
+    globals, which never changes (``G['f0']``, a module dynamo reached code through), or the state check
+    of stateful.py already checks it for the step's modules (hooks, submodules, training flags, no
+    ``forward`` on the instance)."""
+    if kind in ("ID_MATCH", "MODULE_MATCH", "TYPE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "CLASS_MATCH") \
+            and _BARE.fullmatch(source):
+        return True
+    if kind == "EMPTY_NN_MODULE_HOOKS_DICT":
+        return True  # every module the step calls has none, checked for each
+    if kind == "TYPE_MATCH" and (id(value) in tree or any(
+            source.endswith(f".{name}") and id(eval(source[:-len(name) - 1], ns)) in tree  # noqa: S307
+            for name in _MODULE_DICTS)):
+        return True
+    if kind == "NOT_PRESENT_IN_GENERIC_DICT" and extra == "forward" and id(value) in tree:
+        return True
+    return kind == "CONSTANT_MATCH" and source.endswith(".training") and \
+        id(eval(source[:-len(".training")], ns)) in tree  # noqa: S307
+
+
 def check(head: Callable, modules: list, traced: dict) -> Callable[[], bool]:
     """In the parent, when the package arrives: a generated function telling whether every value the
     child's dynamo guarded is still what the child saw (raises ValueError when one already differs, or when
@@ -274,6 +305,7 @@ def check(head: Callable, modules: list, traced: dict) -> Callable[[], bool]:
         if mine.get(name) != want:
             raise ValueError(f"{name} has other code here than the compile saw (a file edited since it was imported?)")
     G = _scope(head, traced["imports"])
+    tree = {id(sub): sub for module in modules for sub in module.modules()}
     ns: dict[str, Any] = {"G": G, "___odict_getitem": collections.OrderedDict.__getitem__}
     parts: list[str] = []
     seen: set[tuple] = set()
@@ -289,10 +321,11 @@ def check(head: Callable, modules: list, traced: dict) -> Callable[[], bool]:
         got = describe(kind, value, extra)
         if got != want:
             raise ValueError(f"{source} is {got} here, the compile saw {want}")
-        recorded = _recorded(kind, value, extra)
         if kind == "DUPLICATE_INPUT" and eval(compile(extra, "<flowvm guard>", "eval"), ns) is not value:  # noqa: S307
             raise ValueError(f"{source} is not {extra} here, as it was for the compile")
-        ns[f"o{k}"] = recorded
+        if _covered(kind, source, value, extra, ns, tree):
+            continue
+        ns[f"o{k}"] = _recorded(kind, value, extra)
         parts.append("(" + _CHECKS[kind].format(v=f"({source})", o=f"o{k}") + ")")
     body = " and ".join(parts) or "True"
     code = f"def guards():\n    try:\n        return bool({body})\n    except Exception:\n        return False\n"

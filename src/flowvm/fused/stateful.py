@@ -15,8 +15,12 @@ It compiles out of process as torch.compile would compile it, with the state mad
   ``torch.autograd.Function`` whose backward is the backward package, and hands back the step's results
   (the same tensor where the step returned one tensor twice).
 
-Only torch's own code runs in the child: every module's class is torch's or adds methods without
-overriding torch's (``_torch_class``), and no module has hooks or parametrizations.
+No module may have hooks or parametrizations.  When every module's class is torch's or adds methods
+without overriding torch's (``_torch_class``) and every function is torch's, only torch's code runs in the
+child.  A step computing with code of the user's (a ``forward`` of theirs, a function of theirs) is
+*guarded* (flowvm/fused/guards.py): the child has dynamo trace it first, refusing anything but one graph
+with no other effect, and sends back the guards naming every value that code read, which the parent
+checks when the package arrives and before each call.
 Buffers the step changes in place (BatchNorm's running statistics in training) come back from the forward
 package and are written as eager code writes them; random numbers (dropout in training) are drawn from the
 program's generator as eager code draws them (inductor's ``fallback_random``).  Steps that change a
