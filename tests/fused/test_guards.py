@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import math
 import subprocess
 import sys
@@ -225,7 +226,8 @@ def test_a_model_of_the_users_trains_on_its_package_and_runs_eagerly_while_a_glo
         SCALE = 1.0
 
         class Settings:
-            shift = 0.1
+            def __init__(self):
+                self.shift = 0.1
 
         settings = Settings()
 
@@ -303,3 +305,111 @@ def test_a_model_of_the_users_trains_on_its_package_and_runs_eagerly_while_a_glo
     assert compiled >= 100 and changed == compiled and last >= changed + 50, got  # eager while SCALE differed
     assert got["max_diff"] < 1e-3 and got["stats"] < 1e-3 and got["loss"] < 0.5, got  # as torch's eager loop
     assert "flowvm-compile" not in got["threads"]  # the compile thread had not run before SCALE changed
+
+
+SOFT = torch.nn.Softplus(beta=2.0)  # a module the code reaches through a global, not a submodule
+
+
+class Base(torch.nn.Module):
+    shift = 0.5
+
+
+class Middle(Base):
+    pass
+
+
+class Reaching(Middle):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+
+    def post(self, h):
+        return h * 2
+
+    def forward(self, x):
+        return self.fc2(self.post(SOFT(self.fc1(x))) + self.shift)
+
+
+def test_hooks_methods_and_class_attributes_changed_since_are_seen(monkeypatch):
+    """What dynamo's own guards leave out: hooks of a module outside the step's modules, a method replaced on
+    the class, a class attribute shadowed in a class between the instance's and the one it was read from."""
+    p, reg = planned(Reaching())
+    holds = guards.check(p.head, p.modules, guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True))
+    assert holds()
+    handle = SOFT.register_forward_hook(lambda module, args, out: out * 10)
+    assert not holds()
+    handle.remove()
+    assert holds()
+    monkeypatch.setattr(Reaching, "post", lambda self, h: h * 3)
+    assert not holds()
+    monkeypatch.undo()
+    assert holds()
+    monkeypatch.setattr(Middle, "shift", 0.25, raising=False)
+    assert not holds()
+    monkeypatch.undo()
+    assert holds()
+
+
+def test_a_functions_code_is_told_apart_by_its_constants_and_defaults_and_not_by_the_process():
+    import cloudpickle
+
+    def scaled(x, k=2):
+        return [v * 2.0 for v in x] if k in {"a", "b"} else x
+
+    def other_constant(x, k=2):
+        return [v * 3.0 for v in x] if k in {"a", "b"} else x
+
+    def other_default(x, k=3):
+        return [v * 2.0 for v in x] if k in {"a", "b"} else x
+
+    other_constant.__name__ = other_constant.__qualname__ = other_default.__qualname__ = scaled.__qualname__
+    seen = guards.describe("FUNCTION_MATCH", scaled)
+    assert guards.describe("FUNCTION_MATCH", other_constant) != seen  # a constant inside the comprehension
+    assert guards.describe("FUNCTION_MATCH", other_default) != seen
+    script = ("import pickle, sys; from flowvm.fused import guards; "
+              "print(guards.describe('FUNCTION_MATCH', pickle.loads(sys.stdin.buffer.read())))")
+    out = subprocess.run([sys.executable, "-c", script], input=cloudpickle.dumps(scaled), capture_output=True,
+                         env=python_env(), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.decode().strip() == seen  # the same in another process (its string hashes differ)
+
+
+def test_a_module_pickled_partly_by_value_must_read_the_same_values_in_both_parts(tmp_path, monkeypatch):
+    """A lambda of an importable module is pickled by value with the program's values of the module's
+    globals; the module's classes are imported in the child with the values of its import."""
+    (tmp_path / "halfpickled.py").write_text(textwrap.dedent("""
+        import torch
+
+        class Settings:
+            def __init__(self):
+                self.shift = 0.1
+
+        settings = Settings()
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+                self.act = lambda x: torch.relu(x) + settings.shift  # pickled by value
+
+            def forward(self, x):  # imported in the child
+                return self.fc2(self.act(self.fc1(x)) * (1 + settings.shift))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import halfpickled
+
+    env = dict(python_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), python_env()["PYTHONPATH"]]))
+    reasons = []
+    for shift in (0.1, 0.5):  # as imported, then changed by the program
+        monkeypatch.setattr(halfpickled.settings, "shift", shift)
+        p, _ = planned(halfpickled.Net())
+        job = tmp_path / f"job{shift}"
+        job.mkdir()
+        (job / "job.pkl").write_bytes(stateful.payload(p, {"fallback_random": True}))
+        out = subprocess.run([sys.executable, "-c", outofprocess.CHILD, str(job)], capture_output=True, text=True, env=env,
+                             timeout=300)
+        lines = out.stdout.strip().splitlines()
+        reasons.append(json.loads(lines[-1]).get("refused") if lines else out.stderr[-2000:])
+    assert reasons[0] is None, reasons  # the same values in both parts: compiled
+    assert "pickled with the program's values" in reasons[1], reasons

@@ -370,6 +370,14 @@ def test_the_state_check_reads_the_modules_now():
     with torch.no_grad():
         assert ready() is None  # the grad mode
     assert ready() is not None
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert ready() is None  # the default dtype, which the code's new tensors take
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with torch.device("cpu"):
+        assert ready() is None  # a default device (a torch function mode)
+    assert ready() is not None
     net[0].weight.requires_grad_(False)
     assert ready() is None  # a frozen parameter
     net[0].weight.requires_grad_(True)

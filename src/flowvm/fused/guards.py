@@ -53,6 +53,8 @@ _CHECKS = {
     "DICT_KEYS_MATCH": "list(dict.keys({v})) == {o}",
     "NOT_PRESENT_IN_GENERIC_DICT": "{o} not in {v}.__dict__",
     "HASATTR": "hasattr({v}, {o}[0]) is {o}[1]",
+    "DICT_CONTAINS": "({o}[0] in {v}) is {o}[1]",
+    "DICT_NOT_CONTAINS": "({o}[0] in {v}) is {o}[1]",
     "DUPLICATE_INPUT": "{v} is {o}",  # the same object as at arrival, and so as the other source
 }
 _SKIPPED = {"TENSOR_MATCH"}  # the state check's
@@ -65,9 +67,31 @@ def _name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
 
 
+def _constant(value: Any) -> str:
+    """A constant of code, or a default value, in words both processes give alike."""
+    if isinstance(value, types.CodeType):
+        return f"code {_fingerprint(value)}"
+    if isinstance(value, (frozenset, set)):
+        return "{" + ", ".join(sorted(_constant(v) for v in value)) + "}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_constant(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_constant(k)}: {_constant(v)}" for k, v in value.items()) + "}"
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return repr(value)
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type, types.ModuleType)):
+        return _name(value) if not isinstance(value, types.ModuleType) else value.__name__
+    return f"a {_name(type(value))}"
+
+
+def _fingerprint(code: Any) -> str:
+    parts = [code.co_code.hex(), repr(code.co_names), repr(code.co_varnames), _constant(code.co_consts)]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
 def _code(fn: Any) -> str:
-    code = fn.__code__
-    return hashlib.sha1(code.co_code + repr(code.co_names).encode()).hexdigest()[:16]
+    """A function's code, its constants (nested code included) and its defaults."""
+    return f"{_fingerprint(fn.__code__)} {_constant(fn.__defaults__)} {_constant(fn.__kwdefaults__)}"
 
 
 def describe(kind: str, value: Any, extra: Any = None) -> str:
@@ -95,6 +119,8 @@ def describe(kind: str, value: Any, extra: Any = None) -> str:
         return f"{extra!r} not in its dict: {extra not in vars(value)}"
     if kind == "HASATTR":
         return f"has {extra!r}: {hasattr(value, extra)}"
+    if kind in ("DICT_CONTAINS", "DICT_NOT_CONTAINS"):
+        return f"has key {extra!r}: {extra in value}"
     raise ValueError(kind)
 
 
@@ -114,6 +140,8 @@ def _recorded(kind: str, value: Any, extra: Any) -> Any:
         return extra
     if kind == "HASATTR":
         return (extra, hasattr(value, extra))
+    if kind in ("DICT_CONTAINS", "DICT_NOT_CONTAINS"):
+        return (extra, extra in value)
     return value
 
 
@@ -189,11 +217,14 @@ def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
         found["globals"] = dict(output.global_scope)
         return gm.forward
 
+    made: dict[str, Any] = {}
     try:
         for name, g in stand_ins.items():  # dynamo reads a by-value function's globals through its module
             stand_in = types.ModuleType(name)
+            if saved[name] is not None and name != "__main__":  # imported here too, for code pickled by reference
+                stand_in.__dict__.update(vars(saved[name]))
             stand_in.__dict__.update(g)
-            sys.modules[name] = stand_in
+            sys.modules[name] = made[name] = stand_in
         torch._dynamo.reset()
         traced = torch._dynamo.optimize(backend, nopython=True, guard_filter_fn=keep)(head)
         try:  # an LSTM is torch's own code, compiled by AOTAutograd as in the steps with modules only
@@ -234,28 +265,57 @@ def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
         if not names <= _NAMES:
             raise Untraceable(f"a guard on something not global ({kind} on {source})")
         keywords = getattr(e.orig_guard.create_fn, "keywords", None) or {}
-        extra = keywords.get("attr")
+        extra = keywords.get("attr", keywords.get("key"))
         if kind == "DUPLICATE_INPUT":
             extra = keywords["source_b"].name
         if not e.has_value:
             raise Untraceable(f"a guard whose value dynamo could not read ({kind} on {source})")
         guards.append([kind, source, describe(kind, e.value, extra), extra])
+    _same_in_both(head, guards, made, saved)
     return {"guards": guards, "imports": imports, "classes": _classes(modules)}
+
+
+def _same_in_both(head: Callable, guards: list, made: dict[str, Any], saved: dict[str, Any]) -> None:
+    """A module whose code is partly pickled by value (a lambda of it, with the program's values of its
+    globals) and partly imported here (its classes, with the values of its import): each guard read through
+    it must describe alike in both, or the package would compute with values the guards do not name."""
+    real = {name: saved[name] for name in made if saved[name] is not None and name != "__main__"}
+    if not real:
+        return
+    scope = dict(head.__globals__)
+    swapped = {key for key, value in scope.items() if any(value is made[name] for name in real)}
+    if not swapped:
+        return
+    for key in swapped:
+        scope[key] = real[scope[key].__name__]
+    for kind, source, want, extra in guards:
+        if not any(f"G[{key!r}]" in source for key in swapped):
+            continue
+        try:
+            got = describe(kind, eval(compile(source, "<flowvm guard>", "eval"), {"G": scope}), extra)  # noqa: S307
+        except Exception as err:
+            got = f"unreadable ({type(err).__name__})"
+        if got != want:
+            raise Untraceable(f"{source} is {got} for the module's code imported here but {want} for code of it "
+                              "pickled with the program's values")
+
+
+def _user_classes(modules: list) -> list[type]:
+    """The classes of the user's among the modules' (and their bases)."""
+    found: dict[int, type] = {}
+    for module in modules:
+        for sub in module.modules():
+            for cls in type(sub).__mro__:
+                if cls is not object and not torch_code(cls):
+                    found.setdefault(id(cls), cls)
+    return list(found.values())
 
 
 def _classes(modules: list) -> dict[str, str]:
     """The code of the user's classes among the modules, method by method (a file edited since the program
     imported it would give the child other code than the program runs)."""
-    found: dict[str, str] = {}
-    for module in modules:
-        for sub in module.modules():
-            for cls in type(sub).__mro__:
-                if cls is object or torch_code(cls):
-                    continue
-                for name, fn in vars(cls).items():
-                    if isinstance(fn, types.FunctionType):
-                        found[f"{_name(cls)}.{name}"] = describe("FUNCTION_MATCH", fn)
-    return found
+    return {f"{_name(cls)}.{name}": describe("FUNCTION_MATCH", fn) for cls in _user_classes(modules)
+            for name, fn in vars(cls).items() if isinstance(fn, types.FunctionType)}
 
 
 # ----------------------------------------------------------------------------------------------- the parent
@@ -273,6 +333,7 @@ def _scope(head: Callable, imports: dict[str, str]) -> dict:
 
 
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules")
+_INHERITED = re.compile(r"dict\(type\((.+)\)\.__mro__\[(\d+)\]\.__dict__\)\[('[^']*'|\"[^\"]*\")\]")
 _BARE = re.compile(r"G\[('[^']*'|\"[^\"]*\")\]")
 
 
@@ -284,8 +345,8 @@ def _covered(kind: str, source: str, value: Any, extra: Any, ns: dict, tree: dic
     if kind in ("ID_MATCH", "MODULE_MATCH", "TYPE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "CLASS_MATCH") \
             and _BARE.fullmatch(source):
         return True
-    if kind == "EMPTY_NN_MODULE_HOOKS_DICT":
-        return True  # every module the step calls has none, checked for each
+    if kind == "EMPTY_NN_MODULE_HOOKS_DICT":  # the step's modules have none, checked for each
+        return id(eval(source.rpartition(".")[0], ns)) in tree  # noqa: S307
     if kind == "TYPE_MATCH" and (id(value) in tree or any(
             source.endswith(f".{name}") and id(eval(source[:-len(name) - 1], ns)) in tree  # noqa: S307
             for name in _MODULE_DICTS)):
@@ -327,6 +388,14 @@ def check(head: Callable, modules: list, traced: dict) -> Callable[[], bool]:
             continue
         ns[f"o{k}"] = _recorded(kind, value, extra)
         parts.append("(" + _CHECKS[kind].format(v=f"({source})", o=f"o{k}") + ")")
+        inherited = _INHERITED.fullmatch(source)
+        if inherited:  # a class attribute found in a base class: not shadowed since in a class before it
+            obj, depth, key = inherited.groups()
+            ns[f"a{k}"] = ast.literal_eval(key)
+            parts.append(f"not any(a{k} in c.__dict__ for c in type({obj}).__mro__[:{int(depth)}])")
+    for j, cls in enumerate(_user_classes(modules)):  # a method replaced or added since: other code
+        ns[f"cd{j}"], ns[f"cv{j}"] = vars(cls), dict(vars(cls))
+        parts.append(f"len(cd{j}) == {len(vars(cls))} and all(cd{j}.get(n) is v for n, v in cv{j}.items())")
     body = " and ".join(parts) or "True"
     code = f"def guards():\n    try:\n        return bool({body})\n    except Exception:\n        return False\n"
     exec(compile(code, "<flowvm FUSED guards>", "exec"), ns)  # noqa: S102

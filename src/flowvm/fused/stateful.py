@@ -146,6 +146,8 @@ def plan(calls: Any, inputs: list, args: tuple) -> Plan | str:
         return "an input that is not a plain CPU tensor needing no gradient"
     if torch.is_inference_mode_enabled() or torch._C._is_any_autocast_enabled():
         return "inference mode or autocast"
+    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        return "a torch function or dispatch mode (torch.set_default_device, say)"
     modules: list[Any] = []
     pre: list[Callable] = []
     kept = []
@@ -586,9 +588,15 @@ def _ready(p: Plan) -> Callable[[], list | None]:
     checking the modules' flags, submodules, settings and hooks and the grad mode (see _module_checks)."""
     import torch
 
-    ns: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled, "strided": torch.strided}
+    ns: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled, "strided": torch.strided,
+                          "default_dtype": torch.get_default_dtype, "dtype": torch.get_default_dtype(),
+                          "function_modes": torch._C._len_torch_function_stack,
+                          "dispatch_modes": torch._C._len_torch_dispatch_stack}
     lines = ["def ready():"]
-    checks = [f"grad_enabled() is {p.grad}"]
+    # the grad mode, the default dtype the child compiled with, no torch function or dispatch mode (which
+    # torch.set_default_device is)
+    checks = [f"grad_enabled() is {p.grad}", "default_dtype() is dtype", "not function_modes()",
+              "not dispatch_modes()"]
     for k, (tensor, places) in enumerate(zip(p.state, p.where)):
         for j, (owner, kind, leaf) in enumerate(places):
             ns[f"o{k}_{j}"] = vars(owner)  # the module's __dict__: its _parameters may be replaced
