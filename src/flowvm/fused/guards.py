@@ -18,8 +18,13 @@ knows what such code reads, so the child asks it:
   arrives and must describe as the child's did (else the package is not used), and a generated function
   checks all of them, against the parent's objects, before every call of the package.
 
-Tensors are not described here: the state check of stateful.py covers every parameter, buffer and input,
-and a tensor read from elsewhere would be a constant of the graph, which the child refuses.
+The parent's check adds what dynamo's guards leave out: the methods of the user's classes (replaced or
+added since), a class attribute read from a base class (shadowed since by a class between), hooks of a
+module reached through a global.  Guards the state check of stateful.py already covers are not checked
+twice (``_covered``).  Tensors are not described here: the state check covers every parameter, buffer and
+input, and the child refuses a tensor read from elsewhere (its values would be constants of the package).
+A module whose code reached the child partly by value (a lambda of it, with the program's values of its
+globals) and partly by import (its classes) must read the same values both ways (``_same_in_both``).
 """
 
 from __future__ import annotations
