@@ -367,12 +367,14 @@ def test_a_functions_code_is_told_apart_by_its_constants_and_defaults_and_not_by
     seen = guards.describe("FUNCTION_MATCH", scaled)
     assert guards.describe("FUNCTION_MATCH", other_constant) != seen  # a constant inside the comprehension
     assert guards.describe("FUNCTION_MATCH", other_default) != seen
-    script = ("import pickle, sys; from flowvm.fused import guards; "
-              "print(guards.describe('FUNCTION_MATCH', pickle.loads(sys.stdin.buffer.read())))")
-    out = subprocess.run([sys.executable, "-c", script], input=cloudpickle.dumps(scaled), capture_output=True,
-                         env=python_env(), timeout=120)
+    names = frozenset({"alpha", "beta", "gamma", "delta", "epsilon"})
+    script = ("import pickle, sys; from flowvm.fused import guards; fn, names = pickle.loads(sys.stdin.buffer.read()); "
+              "print(guards.describe('FUNCTION_MATCH', fn)); print(guards.describe('CONSTANT_MATCH', names))")
+    out = subprocess.run([sys.executable, "-c", script], input=cloudpickle.dumps((scaled, names)),
+                         capture_output=True, env=dict(python_env(), PYTHONHASHSEED="12345"), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.decode().strip() == seen  # the same in another process (its string hashes differ)
+    # the same in another process, whose string hashes (and so the order of a set) differ
+    assert out.stdout.decode().split("\n")[:2] == [seen, guards.describe("CONSTANT_MATCH", names)]
 
 
 def test_a_module_pickled_partly_by_value_must_read_the_same_values_in_both_parts(tmp_path, monkeypatch):
@@ -413,3 +415,73 @@ def test_a_module_pickled_partly_by_value_must_read_the_same_values_in_both_part
         reasons.append(json.loads(lines[-1]).get("refused") if lines else out.stderr[-2000:])
     assert reasons[0] is None, reasons  # the same values in both parts: compiled
     assert "pickled with the program's values" in reasons[1], reasons
+
+
+PROJ = torch.nn.Linear(16, 16)
+MODES = {"alpha", "beta"}
+
+
+class Helper:
+    def bend(self, h):
+        return h * 2
+
+
+helper = Helper()
+
+
+class Rebinding(torch.nn.Module):
+    calls = 0  # a counter of the class's, which forward does not read
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+        self.proj = PROJ  # a submodule, which forward reads through the global
+
+    def forward(self, x):
+        h = PROJ(self.fc1(x))
+        if "beta" in MODES:
+            h = helper.bend(h)
+        return self.fc2(h)
+
+
+def test_globals_rebound_sets_changed_in_place_helpers_patched_and_classes_swapped_are_seen(monkeypatch):
+    net = Rebinding()
+    p, reg = planned(net)
+    holds = guards.check(p.head, p.modules, guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True))
+    assert holds() and p.ready() is not None
+    monkeypatch.setattr(Rebinding, "calls", 5)
+    assert holds()  # a class attribute the code does not read
+    monkeypatch.setattr(sys.modules[__name__], "PROJ", torch.nn.Linear(16, 16))
+    assert not holds()  # the global bound to another Linear: its parameters are not the submodule's
+    monkeypatch.undo()
+    assert holds()
+    MODES.discard("beta")
+    try:
+        assert not holds()  # a set changed in place
+    finally:
+        MODES.add("beta")
+    assert holds()
+    monkeypatch.setattr(Helper, "bend", lambda self, h: h * 3)
+    assert not holds()  # a method of a helper object's class
+    monkeypatch.undo()
+
+    class Other(Rebinding):
+        def forward(self, x):
+            return self.fc2(self.fc1(x))
+
+    net.__class__ = Other
+    assert p.ready() is None  # the module's class swapped
+    net.__class__ = Rebinding
+    assert holds() and p.ready() is not None
+
+
+class Environment(Net):
+    def forward(self, x):
+        return super().forward(x) * float(os.environ.get("FLOWVM_TEST_SCALE", "1"))
+
+
+def test_code_reading_environment_variables_is_left_to_the_thread():
+    p, reg = planned(Environment())
+    with pytest.raises(guards.Untraceable, match="environment variables"):  # dynamo's guards miss them
+        guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True)

@@ -32,7 +32,9 @@ from __future__ import annotations
 import ast
 import builtins
 import collections
+import copy
 import hashlib
+import os
 import re
 import sys
 import types
@@ -60,9 +62,16 @@ _CHECKS = {
     "HASATTR": "hasattr({v}, {o}[0]) is {o}[1]",
     "DICT_CONTAINS": "({o}[0] in {v}) is {o}[1]",
     "DICT_NOT_CONTAINS": "({o}[0] in {v}) is {o}[1]",
+    "SET_CONTAINS": "({o}[0] in {v}) is {o}[1]",
+    "SET_NOT_CONTAINS": "({o}[0] in {v}) is {o}[1]",
+    "BOOL_MATCH": "type({v}) is {o}[0] and {v} == {o}[1]",
+    "NONE_MATCH": "type({v}) is {o}[0] and {v} == {o}[1]",
+    "NOT_NONE_MATCH": "{v} is not None",
     "DUPLICATE_INPUT": "{v} is {o}",  # the same object as at arrival, and so as the other source
 }
 _SKIPPED = {"TENSOR_MATCH"}  # the state check's
+_VALUES = ("CONSTANT_MATCH", "EQUALS_MATCH", "BOOL_MATCH", "NONE_MATCH")
+_CONTAINS = ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS", "SET_NOT_CONTAINS")
 # what a source may name: the step's globals and a few functions (a class attribute's source is
 # ``dict(type(G['x'].config).__dict__)['shift']``)
 _NAMES = {"G", "type", "dict", "len", "getattr", "___odict_getitem"}
@@ -89,6 +98,24 @@ def _constant(value: Any) -> str:
     return f"a {_name(type(value))}"
 
 
+def _stable(value: Any) -> str:
+    """repr, the same in every process: sets sorted (their order follows string hashes and addresses),
+    functions, classes and modules by name."""
+    if isinstance(value, (frozenset, set)):
+        return f"{type(value).__name__}({{{', '.join(sorted(_stable(v) for v in value))}}})"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_stable(v) for v in value)
+        return f"({inner},)" if isinstance(value, tuple) and len(value) == 1 else (
+            f"({inner})" if isinstance(value, tuple) else f"[{inner}]")
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_stable(k)}: {_stable(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return _name(value)
+    if isinstance(value, types.ModuleType):
+        return value.__name__
+    return repr(value)
+
+
 def _fingerprint(code: Any) -> str:
     parts = [code.co_code.hex(), repr(code.co_names), repr(code.co_varnames), _constant(code.co_consts)]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
@@ -101,8 +128,10 @@ def _code(fn: Any) -> str:
 
 def describe(kind: str, value: Any, extra: Any = None) -> str:
     """What a guard of this kind saw at its source, in words both processes compute alike."""
-    if kind in ("CONSTANT_MATCH", "EQUALS_MATCH"):
-        return f"{_name(type(value))} {value!r}"
+    if kind in _VALUES:
+        return f"{_name(type(value))} {_stable(value)}"
+    if kind == "NOT_NONE_MATCH":
+        return f"not None: {value is not None}"
     if kind == "TYPE_MATCH":
         return _name(type(value))
     if kind in ("ID_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "CLOSURE_MATCH",
@@ -119,20 +148,20 @@ def describe(kind: str, value: Any, extra: Any = None) -> str:
     if kind in ("SEQUENCE_LENGTH", "DICT_LENGTH", "LENGTH_CHECK"):
         return f"length {len(value)}"
     if kind == "DICT_KEYS_MATCH":
-        return f"keys {list(dict.keys(value))!r}"
+        return f"keys {_stable(list(dict.keys(value)))}"
     if kind == "NOT_PRESENT_IN_GENERIC_DICT":
         return f"{extra!r} not in its dict: {extra not in vars(value)}"
     if kind == "HASATTR":
         return f"has {extra!r}: {hasattr(value, extra)}"
-    if kind in ("DICT_CONTAINS", "DICT_NOT_CONTAINS"):
-        return f"has key {extra!r}: {extra in value}"
+    if kind in _CONTAINS:
+        return f"has {extra!r}: {extra in value}"
     raise ValueError(kind)
 
 
 def _recorded(kind: str, value: Any, extra: Any) -> Any:
     """What the parent's check compares the source's value with before each call (see _CHECKS)."""
-    if kind in ("CONSTANT_MATCH", "EQUALS_MATCH"):
-        return (type(value), value)
+    if kind in _VALUES:
+        return (type(value), copy.deepcopy(value))  # a set of the user's may change in place
     if kind == "TYPE_MATCH":
         return type(value)
     if kind == "CLOSURE_MATCH":
@@ -145,7 +174,7 @@ def _recorded(kind: str, value: Any, extra: Any) -> Any:
         return extra
     if kind == "HASATTR":
         return (extra, hasattr(value, extra))
-    if kind in ("DICT_CONTAINS", "DICT_NOT_CONTAINS"):
+    if kind in _CONTAINS:
         return (extra, extra in value)
     return value
 
@@ -259,9 +288,15 @@ def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
     guards = []
     for e in entries:
         kind, source = e.guard_type, e.orig_guard.name
-        if kind == "TENSOR_MATCH" and not source.startswith("L[") and id(e.value) not in state:
-            raise Untraceable(f"a tensor constant: {source} is not a parameter, buffer or input of the step "
-                              "(the package would hold its values)")
+        if kind == "TENSOR_MATCH" and not source.startswith("L["):
+            if id(e.value) not in state:
+                raise Untraceable(f"a tensor constant: {source} is not a parameter, buffer or input of the step "
+                                  "(the package would hold its values)")
+            if not _STATE.fullmatch(source):  # a parameter reached through a global: the same one at each call
+                guards.append(["ID_MATCH", source, describe("ID_MATCH", e.value), None])
+            continue
+        if isinstance(e.value, os._Environ) if e.has_value else False:
+            raise Untraceable(f"it reads environment variables ({source}), which dynamo's guards do not check")
         if kind in _SKIPPED or not source:
             continue  # tensors; the grad mode and torch's global settings (checked or sent as settings)
         if kind not in _CHECKS:
@@ -273,11 +308,14 @@ def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
         extra = keywords.get("attr", keywords.get("key"))
         if kind == "DUPLICATE_INPUT":
             extra = keywords["source_b"].name
+        if not (extra is None or type(extra) in (str, int, float, bool)):
+            raise Untraceable(f"a guard on a key that is not a plain value ({kind} on {source})")
         if not e.has_value:
             raise Untraceable(f"a guard whose value dynamo could not read ({kind} on {source})")
         guards.append([kind, source, describe(kind, e.value, extra), extra])
     _same_in_both(head, guards, made, saved)
-    return {"guards": guards, "imports": imports, "classes": _classes(modules)}
+    named = [type(e.value) for e in entries if e.guard_type == "TYPE_MATCH" and e.has_value]
+    return {"guards": guards, "imports": imports, "classes": _classes(_user_classes(modules, named))}
 
 
 def _same_in_both(head: Callable, guards: list, made: dict[str, Any], saved: dict[str, Any]) -> None:
@@ -305,21 +343,22 @@ def _same_in_both(head: Callable, guards: list, made: dict[str, Any], saved: dic
                               "pickled with the program's values")
 
 
-def _user_classes(modules: list) -> list[type]:
-    """The classes of the user's among the modules' (and their bases)."""
+def _user_classes(modules: list, named: list[type]) -> list[type]:
+    """The classes of the user's (and their bases) among the modules' and the types the guards name (a
+    helper object's class): neither torch's, numpy's nor Python's own."""
     found: dict[int, type] = {}
-    for module in modules:
-        for sub in module.modules():
-            for cls in type(sub).__mro__:
-                if cls is not object and not torch_code(cls):
-                    found.setdefault(id(cls), cls)
+    for cls in [type(sub) for module in modules for sub in module.modules()] + list(named):
+        for base in cls.__mro__:
+            top = (getattr(base, "__module__", None) or "builtins").partition(".")[0]
+            if top not in sys.stdlib_module_names and top not in ("builtins", "torch", "numpy"):
+                found.setdefault(id(base), base)
     return list(found.values())
 
 
-def _classes(modules: list) -> dict[str, str]:
-    """The code of the user's classes among the modules, method by method (a file edited since the program
-    imported it would give the child other code than the program runs)."""
-    return {f"{_name(cls)}.{name}": describe("FUNCTION_MATCH", fn) for cls in _user_classes(modules)
+def _classes(classes: list[type]) -> dict[str, str]:
+    """The code of these classes, method by method (a file edited since the program imported it would give
+    the child other code than the program runs)."""
+    return {f"{_name(cls)}.{name}": describe("FUNCTION_MATCH", fn) for cls in classes
             for name, fn in vars(cls).items() if isinstance(fn, types.FunctionType)}
 
 
@@ -338,43 +377,39 @@ def _scope(head: Callable, imports: dict[str, str]) -> dict:
 
 
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules")
+_SUBMODULE = re.compile(r"G\['f\d+'\](?:\._modules\['[^']*'\])*")  # a step's module, or a submodule of it
+_STATE = re.compile(_SUBMODULE.pattern + r"\._(?:parameters|buffers)\['[^']*'\]")  # its state: the state check's
 _INHERITED = re.compile(r"dict\(type\((.+)\)\.__mro__\[(\d+)\]\.__dict__\)\[('[^']*'|\"[^\"]*\")\]")
 _BARE = re.compile(r"G\[('[^']*'|\"[^\"]*\")\]")
 
 
-def _covered(kind: str, source: str, value: Any, extra: Any, ns: dict, tree: dict[int, Any]) -> bool:
+def _covered(kind: str, source: str, value: Any, extra: Any) -> bool:
     """Whether a guard needs no check of its own before each call: its source is an entry of the step's
     globals, which never changes (``G['f0']``, a module dynamo reached code through), or the state check
-    of stateful.py already checks it for the step's modules (hooks, submodules, training flags, no
-    ``forward`` on the instance)."""
+    of stateful.py already checks it for one of the step's modules, reached from the step's own globals
+    through submodules only (its hooks, type, submodules, training flag, no ``forward`` on the instance).
+    A module reached through a global of the user's is checked here: the global may be bound to another."""
     if kind in ("ID_MATCH", "MODULE_MATCH", "TYPE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "CLASS_MATCH") \
             and _BARE.fullmatch(source):
         return True
-    if kind == "EMPTY_NN_MODULE_HOOKS_DICT":  # the step's modules have none, checked for each
-        return id(eval(source.rpartition(".")[0], ns)) in tree  # noqa: S307
-    if kind == "TYPE_MATCH" and (id(value) in tree or any(
-            source.endswith(f".{name}") and id(eval(source[:-len(name) - 1], ns)) in tree  # noqa: S307
-            for name in _MODULE_DICTS)):
-        return True
-    if kind == "NOT_PRESENT_IN_GENERIC_DICT" and extra == "forward" and id(value) in tree:
-        return True
-    return kind == "CONSTANT_MATCH" and source.endswith(".training") and \
-        id(eval(source[:-len(".training")], ns)) in tree  # noqa: S307
+    owner, _, leaf = source.rpartition(".")
+    if kind == "EMPTY_NN_MODULE_HOOKS_DICT" or (kind == "TYPE_MATCH" and leaf in _MODULE_DICTS) or \
+            (kind == "CONSTANT_MATCH" and leaf == "training"):
+        return bool(_SUBMODULE.fullmatch(owner))
+    if kind == "TYPE_MATCH" or (kind == "NOT_PRESENT_IN_GENERIC_DICT" and extra == "forward"):
+        return bool(_SUBMODULE.fullmatch(source))
+    return False
 
 
 def check(head: Callable, modules: list, traced: dict) -> Callable[[], bool]:
     """In the parent, when the package arrives: a generated function telling whether every value the
     child's dynamo guarded is still what the child saw (raises ValueError when one already differs, or when
     the child's classes have other code than the program's)."""
-    mine = _classes(modules)
-    for name, want in traced["classes"].items():
-        if mine.get(name) != want:
-            raise ValueError(f"{name} has other code here than the compile saw (a file edited since it was imported?)")
     G = _scope(head, traced["imports"])
-    tree = {id(sub): sub for module in modules for sub in module.modules()}
     ns: dict[str, Any] = {"G": G, "___odict_getitem": collections.OrderedDict.__getitem__}
     parts: list[str] = []
     seen: set[tuple] = set()
+    named: list[type] = []
     for k, (kind, source, want, extra) in enumerate(traced["guards"]):
         if (kind, source, extra) in seen:
             continue
@@ -389,7 +424,9 @@ def check(head: Callable, modules: list, traced: dict) -> Callable[[], bool]:
             raise ValueError(f"{source} is {got} here, the compile saw {want}")
         if kind == "DUPLICATE_INPUT" and eval(compile(extra, "<flowvm guard>", "eval"), ns) is not value:  # noqa: S307
             raise ValueError(f"{source} is not {extra} here, as it was for the compile")
-        if _covered(kind, source, value, extra, ns, tree):
+        if kind == "TYPE_MATCH":
+            named.append(type(value))
+        if _covered(kind, source, value, extra):
             continue
         ns[f"o{k}"] = _recorded(kind, value, extra)
         parts.append("(" + _CHECKS[kind].format(v=f"({source})", o=f"o{k}") + ")")
@@ -398,8 +435,14 @@ def check(head: Callable, modules: list, traced: dict) -> Callable[[], bool]:
             obj, depth, key = inherited.groups()
             ns[f"a{k}"] = ast.literal_eval(key)
             parts.append(f"not any(a{k} in c.__dict__ for c in type({obj}).__mro__[:{int(depth)}])")
-    for j, cls in enumerate(_user_classes(modules)):  # a method replaced or added since: other code
-        ns[f"cd{j}"], ns[f"cv{j}"] = vars(cls), dict(vars(cls))
+    classes = _user_classes(modules, named)
+    mine = _classes(classes)
+    for name, want in traced["classes"].items():
+        if mine.get(name) != want:
+            raise ValueError(f"{name} has other code here than the compile saw (a file edited since it was imported?)")
+    for j, cls in enumerate(classes):  # a method or other descriptor replaced or added since: other code
+        methods = {n: v for n, v in vars(cls).items() if hasattr(type(v), "__get__")}
+        ns[f"cd{j}"], ns[f"cv{j}"] = vars(cls), methods  # (a counter of the class's may change)
         parts.append(f"len(cd{j}) == {len(vars(cls))} and all(cd{j}.get(n) is v for n, v in cv{j}.items())")
     body = " and ".join(parts) or "True"
     code = f"def guards():\n    try:\n        return bool({body})\n    except Exception:\n        return False\n"

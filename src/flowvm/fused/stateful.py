@@ -563,7 +563,9 @@ def _module_checks(k: int, module: Any, ns: dict, guarded: bool) -> list[str]:
     plain = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
     attrs = vars(module)
     ns[f"m{k}"] = attrs  # its dicts are read from it at each call (Sequential's del replaces _modules)
-    checks = [f"m{k}['training'] is {bool(module.training)}", f"len(m{k}['_modules']) == {len(attrs['_modules'])}"]
+    ns[f"mo{k}"], ns[f"mt{k}"] = module, type(module)
+    checks = [f"type(mo{k}) is mt{k}", f"m{k}['training'] is {bool(module.training)}",
+              f"len(m{k}['_modules']) == {len(attrs['_modules'])}"]
     checks += [f"not m{k}[{name!r}]" for name in _HOOKS if name in attrs] + [f"'forward' not in m{k}"]
     for kind in ("_parameters", "_buffers"):  # the same names (a bias added where there was none...)
         checks.append(f"len(m{k}[{kind!r}]) == {len(attrs[kind])}")
