@@ -220,8 +220,8 @@ class Untraceable(Exception):
 
 def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
     """In the child: dynamo's guards of ``head(*inputs)`` (its modules as unpickled here), as
-    ``{"guards": [[kind, source, description, extra]...], "imports": {global name: module name}}``
-    (raises Untraceable)."""
+    ``{"guards": [[kind, source, description, extra]...], "imports": {global name: module name},
+    "classes": {the user's class.method: its code}}`` (raises Untraceable)."""
     import torch
     from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
 
@@ -295,7 +295,7 @@ def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
             if not _STATE.fullmatch(source):  # a parameter reached through a global: the same one at each call
                 guards.append(["ID_MATCH", source, describe("ID_MATCH", e.value), None])
             continue
-        if isinstance(e.value, os._Environ) if e.has_value else False:
+        if e.has_value and isinstance(e.value, os._Environ):
             raise Untraceable(f"it reads environment variables ({source}), which dynamo's guards do not check")
         if kind in _SKIPPED or not source:
             continue  # tensors; the grad mode and torch's global settings (checked or sent as settings)
