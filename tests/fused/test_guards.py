@@ -217,11 +217,9 @@ def test_a_model_of_the_users_trains_on_its_package_and_runs_eagerly_while_a_glo
     """A script's own model (its classes and functions pickled by value), with BatchNorm and dropout, trained
     on scikit-learn's digits: as eager code trains it, through the package while SCALE is as compiled."""
     script = textwrap.dedent("""
-        import copy, json, threading, time
+        import json, threading, time
         import torch
-        from sklearn.datasets import load_digits
-        from flowvm import CALL, REPEAT, SEQ, Registers
-        from flowvm.passes.fuse_torch import fuse_torch
+        import digits_training
         F = torch.nn.functional
         SCALE = 1.0
 
@@ -245,21 +243,9 @@ def test_a_model_of_the_users_trains_on_its_package_and_runs_eagerly_while_a_glo
             def forward(self, x):
                 return self.fc2(self.drop(self.act(self.bn(self.fc1(x))) * SCALE + settings.shift))
 
-        digits = load_digits()
-        x = torch.tensor(digits.data[:128], dtype=torch.float32) / 16
-        y = torch.tensor(digits.target[:128])
         torch.manual_seed(0)
         net = Net()
-        ref = copy.deepcopy(net)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-        reg = Registers(x=x, y=y)
-        done = []
-        opt.register_step_post_hook(lambda *a: done.append(1))
-        body = SEQ([CALL(opt.zero_grad), CALL(net, reg("x"), store_to=reg("logits")),
-                    CALL(F.cross_entropy, reg("logits"), reg("y"), store_to=reg("loss")),
-                    CALL(torch.Tensor.backward, reg("loss")), CALL(opt.step)])
-        fast = fuse_torch(REPEAT(10**9, body), compile_after=0, payback=0, form="compiled")
+        x, y, ref, opt, ref_opt, reg, done, fast = digits_training.program(net)
         rt = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED").runtime()
         torch.manual_seed(1)
         drv = fast.start()

@@ -60,28 +60,16 @@ def test_a_training_step_with_modules_compiles_in_a_child_process_and_trains_as_
     """With BatchNorm (its running statistics updated in place) and dropout (random numbers drawn as eager
     code draws them, fallback_random), on scikit-learn's digits; then the same network's inference."""
     script = textwrap.dedent("""
-        import copy, json, sys, threading, time
+        import json, sys, threading, time
         import torch
-        from sklearn.datasets import load_digits
+        import digits_training
         from flowvm import CALL, REPEAT, SEQ, Registers
         from flowvm.passes.fuse_torch import fuse_torch
         F = torch.nn.functional
-        digits = load_digits()
-        x = torch.tensor(digits.data[:128], dtype=torch.float32) / 16
-        y = torch.tensor(digits.target[:128])
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
                                   torch.nn.Dropout(0.2), torch.nn.Linear(32, 10))
-        ref = copy.deepcopy(net)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-        reg = Registers(x=x, y=y)
-        done = []
-        opt.register_step_post_hook(lambda *a: done.append(1))
-        body = SEQ([CALL(opt.zero_grad), CALL(net, reg("x"), store_to=reg("logits")),
-                    CALL(F.cross_entropy, reg("logits"), reg("y"), store_to=reg("loss")),
-                    CALL(torch.Tensor.backward, reg("loss")), CALL(opt.step)])
-        fast = fuse_torch(REPEAT(10**9, body), compile_after=0, payback=0, form="compiled")
+        x, y, ref, opt, ref_opt, reg, done, fast = digits_training.program(net)
         torch.manual_seed(1)  # the dropout masks: the same draws for the program and the reference
         drv = fast.start()
         el = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED")
