@@ -146,8 +146,11 @@ def test_mlp_reads_a_csv_with_a_named_label_column_and_writes_its_model(tmp_path
     from flowvm.programs import save_model
 
     save_model(net, tmp_path / "mlp.pt")
-    again = torch.load(tmp_path / "mlp.pt", weights_only=False)
+    saved = torch.load(tmp_path / "mlp.pt", weights_only=True)  # what plain torch.load reads on torch >= 2.6
+    again = mlp.Classifier(saved["layer_sizes_"])
+    again.load_state_dict(saved["state_dict"])
     assert np.array_equal(again.predict(x), net.predict(x))
+    assert [c.shape for c in saved["coefs_"]] == [(4, 16), (16, 16), (16, 3)] and saved["n_classes_"] == 3
     # a torch Dataset of (x, y) items, and nothing held out: the accuracy is the training data's
     dataset = torch.utils.data.TensorDataset(torch.from_numpy(x[:60]), torch.from_numpy(y[:60]))
     drv = mlp.build(data=dataset, val_fraction=0, hidden=8, epochs=1).start()
@@ -321,7 +324,11 @@ def test_the_command_line_runs_them_on_files_and_objectives_and_writes_the_model
     flowvm_cmd("run", "mlp", "--data", tmp_path / "wine.npz", "--set", "epochs=5", "--set", "hidden=16",
                "--set", "val_fraction=0.25", "--output", tmp_path / "mlp.npz", "--progress", "none", cwd=tmp_path)
     weights = np.load(tmp_path / "mlp.npz")
-    assert weights["0.weight"].shape == (16, 13) and weights["4.weight"].shape == (3, 16)
+    # scikit-learn's names: coefs_[i] (inputs x outputs) and intercepts_[i], one array per layer
+    assert sorted(weights) == ["coefs_0", "coefs_1", "coefs_2", "intercepts_0", "intercepts_1", "intercepts_2",
+                               "layer_sizes_", "n_classes_", "n_features_in_"]
+    assert weights["coefs_0"].shape == (13, 16) and weights["coefs_2"].shape == (16, 3)
+    assert list(weights["layer_sizes_"]) == [13, 16, 16, 3] and weights["intercepts_2"].shape == (3,)
     done = flowvm_cmd("run", "lbfgs", "--set", "objective=my_objectives:rosenbrock", "--set", "dim=6",
                       "--output", tmp_path / "fit.npz", "--progress", "none", cwd=tmp_path, env=env)
     assert "stopped: " in done.stdout

@@ -56,15 +56,65 @@ MODEL_SUFFIXES = (".npz", ".pt", ".safetensors")
 
 
 def model_attributes(model) -> dict:
-    """A fitted model's attributes as scikit-learn names them (those ending in ``_``), by name."""
-    return {name: value for name, value in vars(model).items() if name.endswith("_") and not name.startswith("_")}
+    """A fitted model's attributes as scikit-learn names them (those ending in ``_``, its class's properties
+    so named included), by name."""
+    found = {name: value for name, value in vars(model).items() if name.endswith("_") and not name.startswith("_")}
+    for cls in type(model).__mro__:
+        for name, member in vars(cls).items():
+            if isinstance(member, property) and name.endswith("_") and not name.startswith("_"):
+                found.setdefault(name, getattr(model, name))
+    return found
+
+
+def model_arrays(model) -> dict:
+    """The arrays an ``.npz`` or ``.safetensors`` file of the model holds: each attribute under its name, a
+    list of arrays (an MLP's ``coefs_``) as one array per item (``coefs_0``, ``coefs_1``, ...); a torch
+    module without such attributes: its ``state_dict``."""
+    import numpy as np
+
+    arrays = {}
+    for name, value in model_attributes(model).items():
+        if isinstance(value, (list, tuple)) and value and all(np.ndim(_numpy(v)) > 0 for v in value):
+            arrays.update({f"{name}{i}": _numpy(v) for i, v in enumerate(value)})
+        else:
+            arrays[name] = np.asarray(_numpy(value))
+    if not arrays and _is_module(model):
+        arrays = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    return arrays
+
+
+def _numpy(value):
+    import numpy as np
+
+    detach = getattr(value, "detach", None)
+    return detach().cpu().numpy() if callable(detach) else np.asarray(value)
+
+
+def _is_module(model) -> bool:
+    return any(c.__module__.startswith("torch.nn") for c in type(model).__mro__)
+
+
+def _torch_plain(value):
+    """A value torch.load reads with its defaults (weights_only): tensors, lists, numbers, strings."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, (list, tuple)):
+        return [_torch_plain(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    array = np.asarray(value)
+    return array.item() if array.ndim == 0 and array.dtype.kind in "biuf" else torch.from_numpy(np.array(array))
 
 
 def save_model(model, path) -> None:
     """Write a program's fitted model: ``.npz`` holds its attributes under their names (``components_``,
-    ``cluster_centers_``, ...: ``numpy.load(path)["components_"]``); ``.safetensors`` the same as tensors;
-    ``.pt`` the model itself for a torch module (``torch.load(path, weights_only=False)``), else its
-    attributes (``torch.load(path)``)."""
+    ``cluster_centers_``, ...: ``numpy.load(path)["components_"]``; a list of arrays as one array per item,
+    ``coefs_0``, ``coefs_1``, ...); ``.safetensors`` the same as tensors; ``.pt`` a dict that plain
+    ``torch.load(path)`` reads (tensors, lists and numbers only): the attributes, and for a torch module its
+    ``state_dict`` under ``"state_dict"`` (rebuild the module and ``load_state_dict`` it)."""
     from pathlib import Path
 
     import numpy as np
@@ -72,17 +122,15 @@ def save_model(model, path) -> None:
     suffix = Path(path).suffix.lower()
     if suffix not in MODEL_SUFFIXES:
         raise ValueError(f"save_model: {path}: give a file ending in {', '.join(MODEL_SUFFIXES)}")
-    is_module = any(c.__module__.startswith("torch.nn") for c in type(model).__mro__)
     if suffix == ".pt":
         import torch
 
-        torch.save(model if is_module else {k: torch.as_tensor(np.asarray(v)) for k, v in model_attributes(model).items()},
-                   path)
+        data = {k: _torch_plain(v) for k, v in model_attributes(model).items()}
+        if _is_module(model):
+            data["state_dict"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        torch.save(data, path)
         return
-    if is_module:
-        arrays = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    else:
-        arrays = {k: np.asarray(v) for k, v in model_attributes(model).items()}
+    arrays = model_arrays(model)
     if suffix == ".npz":
         with open(path, "wb") as f:
             np.savez(f, **arrays)

@@ -70,6 +70,29 @@ class Classifier(torch.nn.Sequential):
                              f"{tuple(x.shape)}")
         return x
 
+    # the fitted network's sizes and weights as scikit-learn's MLPClassifier names them (what --output writes)
+    @property
+    def layer_sizes_(self) -> list[int]:
+        return list(self.sizes)
+
+    @property
+    def coefs_(self) -> list[np.ndarray]:
+        """Layer i's weight matrix (inputs x outputs), for each layer."""
+        return [m.weight.detach().cpu().numpy().T.copy() for m in self if isinstance(m, torch.nn.Linear)]
+
+    @property
+    def intercepts_(self) -> list[np.ndarray]:
+        """Layer i's biases, for each layer."""
+        return [m.bias.detach().cpu().numpy().copy() for m in self if isinstance(m, torch.nn.Linear)]
+
+    @property
+    def n_features_in_(self) -> int:
+        return self.sizes[0]
+
+    @property
+    def n_classes_(self) -> int:
+        return self.sizes[-1]
+
     @torch.no_grad()
     def predict_proba(self, X) -> np.ndarray:
         """The probability of each class for each row of X (rows sum to 1)."""
