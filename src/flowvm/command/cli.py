@@ -225,6 +225,7 @@ def parser() -> argparse.ArgumentParser:
     plot.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
     plot.add_argument("names", nargs="*", metavar="NAME", help="metrics to draw (default: every one recorded)")
     plot.add_argument("-o", "--output", default="curves.png", metavar="FILE", help="the picture (default curves.png)")
+    plot.add_argument("--log", action="store_true", help="a logarithmic y axis (a loss; values <= 0 are left out)")
     plot.add_argument("--key", help="the key of a signed checkpoint (or $FLOWVM_CHECKPOINT_KEY)")
     plot.set_defaults(func=cmd_plot)
 

@@ -27,10 +27,8 @@ class History:
         self.sent = {name: len(points) for name, points in drv._watch["points"].items()}
         self.writer = None
         if tensorboard is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
             # points past the step the run resumes from were written by a run that was stopped: dropped
-            self.writer = SummaryWriter(tensorboard, purge_step=drv.steps if drv.steps else None)
+            self.writer = ScalarWriter(tensorboard, purge_step=drv.steps if drv.steps else None)
             self.sent = {name: sum(1 for p in points if p[0] < drv.steps)
                          for name, points in drv._watch["points"].items()}
 
@@ -55,10 +53,49 @@ class History:
             self.writer.close()
 
 
-def plot_history(history: dict, names: list[str], out: str, title: str = "") -> Any:
+class ScalarWriter:
+    """TensorBoard scalars written with the ``tensorboard`` package's own event file writer (no torch needed,
+    ``pip install 'flowvm[tensorboard]'``).  ``purge_step``: TensorBoard drops the points at and past this
+    step that earlier files of the directory hold (a run resumed from an older checkpoint)."""
+
+    def __init__(self, logdir: str, purge_step: int | None = None):
+        try:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError:
+            raise SystemExit("flowvm: --tensorboard needs the tensorboard package (pip install "
+                             "'flowvm[tensorboard]')") from None
+        self._event, self._summary = Event, Summary
+        self._file = EventFileWriter(str(logdir))
+        if purge_step is not None:
+            self._add(Event(step=int(purge_step), session_log=SessionLog(status=SessionLog.START)))
+
+    def _add(self, event) -> None:
+        import time
+
+        event.wall_time = time.time()
+        self._file.add_event(event)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+        self._add(self._event(step=int(step), summary=summary))
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def plot_history(history: dict, names: list[str], out: str, title: str = "", log: bool = False) -> Any:
     """One panel per metric (a line, or one line per item of a list-valued metric) against the step; saved
-    to out (any format matplotlib writes).  Returns the figure."""
-    import matplotlib
+    to out (any format matplotlib writes), on a logarithmic y axis with log (a loss; values <= 0 are left
+    out).  Returns the figure."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("flowvm: flowvm plot needs matplotlib (pip install 'flowvm[plot]')") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -80,6 +117,8 @@ def plot_history(history: dict, names: list[str], out: str, title: str = "") -> 
         else:
             ax.plot(steps, values, marker=marker, label=name)
         ax.set_ylabel(name)
+        if log:
+            ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     if title:

@@ -93,6 +93,7 @@ def cmd_plot(args) -> int:
         raise SystemExit(f"flowvm: {args.path} holds no history (runs of the flowvm command record their SHOW "
                          "registers, and those named with --history)")
     target = meta.get("target", "")
-    plot_history(history, names, args.output, title=f"{Path(str(target)).stem or target} ({args.path})")
+    plot_history(history, names, args.output, title=f"{Path(str(target)).stem or target} ({args.path})",
+                 log=args.log)
     print(f"wrote {args.output}: {', '.join(names)} over {header.get('steps')} steps")
     return 0
