@@ -226,3 +226,23 @@ def test_a_script_piped_on_stdin_gets_an_error_saying_the_workers_cannot_import_
     assert done.returncode != 0
     assert "worker process running the fragment died" in done.stderr, done.stderr[-3000:]
     assert "the main script was read from stdin" in done.stderr, done.stderr[-3000:]
+
+
+def test_a_worker_whose_start_fails_in_the_main_script_says_so_with_the_traceback(tmp_path):
+    # the page-as-a-script mistake: only the first part of the script is guarded, so each worker runs the
+    # rest again when it imports the script, and that fails there before the worker takes any work
+    script = tmp_path / "two_parts.py"
+    script.write_text("from flowvm import CALL, SPAWN, Registers\n"
+                      "reg = Registers(x=-2)\n"
+                      "if __name__ == '__main__':\n"
+                      "    print(SPAWN(CALL(abs, reg('x'))).run())\n"
+                      "other = Registers()\n"
+                      "CALL(abs, other('never_written')).start()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=ENV,
+                          cwd=tmp_path)
+    assert done.returncode != 0
+    last = done.stderr[done.stderr.rindex("SpawnError"):]
+    assert "failed while starting, before it ran the fragment" in last and str(script) in last, last
+    assert "VerifyError: register 'never_written' is read by CALL" in last  # the worker's own error
+    assert f'File "{script}", line 6, in <module>' in last  # with its traceback
+    assert "if __name__ == '__main__':" in last and "killed by a signal" not in last

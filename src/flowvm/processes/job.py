@@ -23,6 +23,7 @@ from ..base.errors import SpawnError, SpawnTimeout, SpawnVersionWarning
 from . import shipping
 from .executors import (discard_broken, executor_name, is_default_pool, main_guard_hint, resolve_executor,
                         retire_running, submit, version_mode)
+from .workerstart import main_module, start_failure, start_failure_text
 from .starts import expect_start, forget, report_start, started_at, track, was_moved
 from ..persist.pickler import Pickler, pickle_bytes
 from ..program.registers import Registers
@@ -370,7 +371,10 @@ class Job:
         except Exception as err:
             name = type(err).__name__
             if isinstance(err, cf.BrokenExecutor) or name == "KilledWorker":
+                failure = start_failure(self.executor)
                 discard_broken(self.executor)
+                if failure is not None:
+                    raise SpawnError(start_failure_text(where, failure, main_module())) from err
                 raise SpawnError(f"the worker process running the fragment died ({name}: {err}); killed by a "
                                  f"signal or out of memory? The {where} "
                                  + ("is replaced by a new one on the next SPAWN" if spec is None
