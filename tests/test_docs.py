@@ -1,16 +1,17 @@
 """The documentation runs as written: every ```python block of README.md and docs/*.md, and every relative
 link in them.
 
-Each page is one test.  Its ```python blocks run in order in one fresh interpreter (``sys.executable``), in
-one namespace, like the cells of a notebook, with a fresh temporary directory as the working directory; a
-page never sees another page's state, nor the test process's.  A failing block is reported with its page,
-its line and the traceback, whose lines point into the page itself.  Snippets that are not meant to run
+Each page is one test.  Its ```python blocks run in order as ONE script, as a user pastes them into a file
+and runs it (``python page.py``, in a fresh interpreter, with a fresh temporary directory as the working
+directory); a page never sees another page's state, nor the test process's.  The script keeps the page's
+line numbers, so a failure's traceback points into the page itself.  A page whose blocks use what earlier
+blocks define says so at its top.  Snippets that are not meant to run
 (shell commands, output, pseudo-code) are indented blocks or ```text / ```bash fences, which are not run.
 """
 
 from __future__ import annotations
 
-import json
+import ast
 import os
 import re
 import subprocess
@@ -58,30 +59,15 @@ def python_blocks(page: Path) -> list[tuple[int, str]]:
             if info.split()[:1] == ["python"]]
 
 
-# Run in the child with `python -c`: __main__ then has no file, as in a notebook or an interactive session,
-# so worker processes (SPAWN's pool) do not import anything from it.  The runner's own names are removed
-# from __main__ before the first block runs, so that a block sees only what the page itself defines.
-_RUNNER = r'''
-def _run_page():
-    import json, sys, traceback
-    main = sys.modules["__main__"].__dict__
-    with open(sys.argv[1], encoding="utf-8") as f:
-        page, label, blocks = json.load(f)
-    for name in [n for n in main if not (n.startswith("__") and n.endswith("__"))]:
-        del main[name]
-    for fence_line, code in blocks:
-        # padded so that line numbers in tracebacks are the page's own
-        source = "\n" * fence_line + code
-        try:
-            exec(compile(source, page, "exec"), main)
-        except BaseException as err:
-            sys.stdout.flush()
-            print(f"\n@@ {label}: the ```python block at line {fence_line} failed:", file=sys.stderr)
-            traceback.print_exception(type(err), err, err.__traceback__.tb_next)  # from the page's own line
-            sys.stderr.flush()
-            sys.exit(1)
-_run_page()
-'''
+def page_script(page: Path) -> str:
+    """The page's ```python blocks as one script, as a user pastes them into a file in order: each block's
+    code on the page's own lines (the lines between blocks blank), so a traceback's line numbers are the
+    page's."""
+    lines: list[str] = []
+    for fence_line, code in python_blocks(page):
+        lines += [""] * (fence_line - len(lines))  # the fence itself, and what is before it, blank
+        lines += code.splitlines()
+    return "\n".join(lines) + "\n"
 
 
 def _label(page: Path) -> str:
@@ -90,23 +76,79 @@ def _label(page: Path) -> str:
 
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=_label)
 def test_python_blocks_run(page: Path, tmp_path: Path):
-    blocks = python_blocks(page)
-    spec = tmp_path / "blocks.json"
-    spec.write_text(json.dumps([str(page), _label(page), blocks]), encoding="utf-8")
+    """The page's blocks run as ONE script (python page.py: its __main__ has a file, so the pool workers of
+    SPAWN import it again, as they do a user's script), in a fresh temporary working directory."""
+    script = tmp_path / f"{page.stem.lower()}_page.py"
+    script.write_text(page_script(page), encoding="utf-8")
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     try:
-        done = subprocess.run([sys.executable, "-c", _RUNNER, str(spec)], cwd=cwd, env=dict(os.environ),
+        done = subprocess.run([sys.executable, str(script)], cwd=cwd, env=dict(os.environ),
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=PAGE_TIMEOUT)
     except subprocess.TimeoutExpired as err:
         out = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
         pytest.fail(f"{_label(page)}: its ```python blocks did not finish within {PAGE_TIMEOUT} s; "
                     f"output so far:\n{out[-4000:]}", pytrace=False)
     if done.returncode != 0:
-        where = next((line for line in done.stderr.splitlines() if line.startswith("@@ ")), None)
-        head = where[3:] if where else f"{_label(page)}: the interpreter exited with status {done.returncode}"
-        pytest.fail(f"{head}\n--- stderr ---\n{done.stderr[-8000:]}\n--- stdout ---\n{done.stdout[-3000:]}",
-                    pytrace=False)
+        at = re.findall(rf'File "{re.escape(str(script))}", line (\d+)', done.stderr)
+        where = f" (the page's line {at[-1]})" if at else ""
+        pytest.fail(f"{_label(page)}: its ```python blocks, run as one script, exited with status "
+                    f"{done.returncode}{where}\n--- stderr ---\n{done.stderr[-8000:]}\n--- stdout ---\n"
+                    f"{done.stdout[-3000:]}", pytrace=False)
+
+
+# ------------------------------------------------------------------ pages whose blocks build on each other
+IN_ORDER = "The code blocks of this page run in order, as one script"
+
+
+def _bound(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+    return names
+
+
+def borrowed_names(page: Path) -> dict[int, set[str]]:
+    """The blocks (by their fence's line) that use a name only an earlier block of the page defines."""
+    earlier: set[str] = set()
+    found = {}
+    for line, code in python_blocks(page):
+        tree = ast.parse(code)
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        borrowed = (used - _bound(tree)) & earlier
+        if borrowed:
+            found[line] = borrowed
+        earlier |= _bound(tree)
+    return found
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=_label)
+def test_pages_whose_blocks_build_on_each_other_say_so_at_the_top(page: Path):
+    head = "\n".join(page.read_text(encoding="utf-8").splitlines()[:8])
+    borrowed = borrowed_names(page)
+    if borrowed:
+        line, names = next(iter(borrowed.items()))
+        assert IN_ORDER in head, (f"{_label(page)}: the block at line {line} uses {sorted(names)} from earlier "
+                                  f"blocks; say near the top: '{IN_ORDER}...'")
+    else:
+        assert IN_ORDER not in head, f"{_label(page)}: its blocks stand alone, yet the top says they do not"
+
+
+def test_the_check_of_borrowed_names_finds_them(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# t\n```python\nimport math\nx = 1\n```\n```python\ny = x + math.pi\nfor i in [1]:\n"
+                    "    print(i, len([y]))\n```\n")
+    assert borrowed_names(page) == {6: {"x", "math"}}
+    assert page_script(page).splitlines()[6] == "y = x + math.pi"
 
 
 # ------------------------------------------------------------------ links
