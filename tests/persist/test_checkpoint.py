@@ -451,13 +451,13 @@ def test_failed_save_leaves_previous_file_and_no_temp_files(tmp_path, monkeypatc
             raise OSError("simulated rename failure")
         monkeypatch.setattr(os, "replace", fail)
         monkeypatch.setattr(os, "rename", fail)
-        expected = OSError
+        expected = flowvm.CheckpointError  # one behaviour for every failed write, as for state files
     elif what == "fsync":
         def fail(*a, **k):
             raise OSError("simulated fsync failure")
         monkeypatch.setattr(os, "fsync", fail)
         monkeypatch.setattr(os, "fdatasync", fail, raising=False)
-        expected = OSError
+        expected = flowvm.CheckpointError
     elif what == "write":
         real_fdopen = os.fdopen
 
@@ -480,7 +480,7 @@ def test_failed_save_leaves_previous_file_and_no_temp_files(tmp_path, monkeypatc
                 self.f.close()
 
         monkeypatch.setattr(os, "fdopen", lambda *a, **k: HalfWriter(real_fdopen(*a, **k)))
-        expected = OSError
+        expected = flowvm.CheckpointError
     else:
         def interrupt(*a, **k):
             raise KeyboardInterrupt

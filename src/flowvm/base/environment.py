@@ -31,6 +31,7 @@ True
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import warnings
@@ -211,26 +212,39 @@ def _settings_error(where, reason):
     return CheckpointError(where, reason) if where != "<settings>" else ValueError(reason)
 
 
+def cores() -> int:
+    """The cores this process may run on: the most torch threads a run's settings set."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def apply_settings(settings: dict, announce: bool = True) -> dict:
     """Set this process's settings to these (those of libraries imported here; a setting of a library
-    the process has not imported is left alone).  Returns {name: (process's value, run's value)} for the
-    ones that differed; with announce, a SettingsWarning names them."""
+    the process has not imported is left alone); ``torch.threads`` at most this machine's cores.  Returns
+    {name: (process's value, run's value)} for the ones that differed; with announce, a SettingsWarning
+    names them before any is set."""
     torch = sys.modules.get("torch")
     if torch is None or not settings:
         return {}
-    changed = {}
+    changed, capped = {}, ""
     for name, value in settings.items():
         get, put, present = SETTINGS[name]
         if present is not None and not present(torch):
             continue
+        if name == "torch.threads" and value > cores():
+            capped = f" (torch.threads {value} capped at this machine's {cores()} cores)"
+            value = cores()
         old = get(torch)
         if old != value:
-            put(torch, value)
             changed[name] = (old, value)
     if changed and announce:
         said = ", ".join(f"{n}={new!r} (this process had {old!r})" for n, (old, new) in changed.items())
-        warnings.warn(f"flowvm: resuming with the settings the run was saved with: {said}. "
+        warnings.warn(f"flowvm: resuming with the settings the run was saved with: {said}{capped}. "
                       "drv.resume_with(settings=False) keeps the process's own.", SettingsWarning, stacklevel=4)
+    for name, (_, value) in changed.items():
+        SETTINGS[name][1](torch, value)
     return changed
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -207,10 +206,8 @@ def is_state(path: Path | str | None) -> bool:
 class StateRunner(Runner):
     """A Runner whose checkpoints are state files (save_state)."""
 
-    def save(self) -> None:
-        if self.ckpt is not None:
-            state.save_state(self.drv, self.ckpt, key=self.key, meta=self.meta)
-            self.saved_step, self.saved_time = self.drv.steps, time.monotonic()
+    def write(self) -> None:
+        state.save_state(self.drv, self.ckpt, key=self.key, meta=self.meta)
 
 
 def refuse_to_overwrite_state(path: Path | str) -> None:

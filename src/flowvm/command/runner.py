@@ -22,9 +22,10 @@ from typing import Any
 
 from .history import History
 from ..persist import checkpoint
+from ..persist.lock import holding
 from ..machine.driver import Driver
 from ..program.analysis import static_steps
-from ..base.errors import StoppedDuringStartup
+from ..base.errors import CheckpointError, StoppedDuringStartup
 
 DEFAULT_EVERY_SECONDS = 60.0
 _MAX_CHUNK = 1 << 20  # steps per driver.run() call, at most
@@ -105,8 +106,18 @@ class Runner:
 
     def save(self) -> None:
         if self.ckpt is not None:
-            checkpoint.save(self.drv, self.ckpt, key=self.key, meta=self.meta)
+            try:
+                self.write()
+            except CheckpointError as err:  # a full disk, a quota, ...: the last checkpoint stays as it is
+                failed = CheckpointError(self.ckpt, f"{err.reason}; it keeps the run as saved at step "
+                                                    f"{self.saved_step}")
+                failed.save_failed = True
+                raise failed from err
             self.saved_step, self.saved_time = self.drv.steps, time.monotonic()
+
+    def write(self) -> None:
+        """Write the checkpoint (a pickle; StateRunner: a state file)."""
+        checkpoint.save(self.drv, self.ckpt, key=self.key, meta=self.meta)
 
     def line(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -118,7 +129,12 @@ class Runner:
         return f"step {drv.steps}{of} ({rate:.0f} steps/s) {shown(drv, self.show)}".rstrip()
 
     def run(self, max_steps: int | None = None) -> int:
-        """Run until done, max_steps more steps or a signal; return the exit status."""
+        """Run until done, max_steps more steps or a signal; return the exit status.  While it runs, it
+        holds the checkpoint's lock (flowvm.persist.lock): a second run saving to the same place is refused."""
+        with holding(self.ckpt) if self.ckpt is not None else contextlib.nullcontext():
+            return self._run(max_steps)
+
+    def _run(self, max_steps: int | None) -> int:
         drv = self.drv
         self.saved_step, self.saved_time = drv.steps, time.monotonic()
         self.start_step, self.start_time = drv.steps, time.monotonic()
@@ -175,8 +191,14 @@ class Runner:
                         err.add_note(f"flowvm: stopped at once by a second SIGINT; {self.ckpt} keeps the run "
                                      f"as saved at step {self.saved_step}")
                     raise
+                if getattr(err, "save_failed", False):  # saving again would fail again
+                    raise
                 if self.ckpt is not None:
-                    self.save()  # the driver is consistent: resuming retries the step that failed
+                    try:
+                        self.save()  # the driver is consistent: resuming retries the step that failed
+                    except CheckpointError as failed:
+                        err.add_note(f"flowvm: {failed}")
+                        raise err from None
                     err.add_note(f"flowvm: the run is saved at step {drv.steps} in {self.ckpt}; "
                                  f"`flowvm resume {self.ckpt}` retries the failed step")
                 raise

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from . import storage
 from ..base.errors import CheckpointError
+from .headers import check_header
 from .pickler import storage_bytes
 
 MAGIC = b"FLOWVM\x89\n"
@@ -144,6 +145,7 @@ def _check_head(fetch, total: int, path) -> Layout:
             raise ValueError("bad field types")
     except Exception:
         raise CheckpointError(path, "corrupted: the header cannot be read") from None
+    check_header(header, path)
     if fmt > FORMAT:
         raise CheckpointError(path, f"written in format {fmt} by flowvm {header.get('flowvm')}; this flowvm "
                                     f"reads formats up to {FORMAT}: upgrade flowvm to load it")

@@ -37,7 +37,8 @@ import os
 import platform
 import time
 import warnings
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 from . import storage
 from ..base.environment import check_random, check_settings
@@ -52,6 +53,7 @@ from ..program.paths import format_path, get, parse_path, walk
 from ..program.printer import lines
 from .checkpoint import _key_bytes
 from .statefile import FORMAT, MAC, checksum_name, digests, read_state, views_of, write
+from .stateframes import LARGEST, check_frame
 from .stateobjects import check_program_objects, encode_object, restore_object, roots
 from .statedecoder import Decoder
 from .statevalues import Encoder, Refused
@@ -192,6 +194,29 @@ def load_state(path: Any, program: Element, key: bytes | str | None = None, rest
             raise TypeError(f"load_state: classes must be classes, got {type(cls).__name__} {cls!r:.60}")
         allowed.setdefault(cls.__qualname__, cls)
     loaded = read_state(path, _key_bytes(key), verify=verify, keep=True)
+    with malformed(path, "the saved run"):
+        drv = _restore(loaded, program, path, allowed)
+    return drv.resume_with(random=restore_random, settings=restore_settings)
+
+
+@contextmanager
+def malformed(path: Any, what: str) -> Iterator[None]:
+    """Whatever a malformed file makes fail in the block, as a CheckpointError naming the file (the checks
+    name the field at fault; this catches what they miss)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        raise CheckpointError(path, f"malformed: {what} cannot be read ({type(err).__name__}: "
+                                    f"{str(err)[:200]})") from None
+
+
+def _restore(loaded, program: Element, path: Any, allowed: dict):
+    """A driver of program holding the run of a checked state file (its settings and random states to be
+    set at its first step)."""
     compare(loaded.parts["program"], structure(program), path)
     drv = program.start()
     dec = Decoder(loaded.table, loaded.tensors, path, restore_object, allowed)
@@ -205,13 +230,16 @@ def load_state(path: Any, program: Element, key: bytes | str | None = None, rest
     drv.registers.update(registers)
     run = parts["run"]
     try:
-        stack = _unframes(dec, run["stack"], drv.program, (), path)
         steps, done, ready, rotate, fresh = run["steps"], run["done"], run["ready"], run["rotate"], run["fresh"]
-        if type(steps) is not int or steps < 0 or not all(type(b) is bool for b in (done, ready, rotate)) \
-                or not (fresh is None or type(fresh) is int):
-            raise ValueError("bad driver fields")
+        if type(steps) is not int or not 0 <= steps <= LARGEST:
+            raise ValueError(f"the step count is {steps!r:.40}, expected an int in [0, {LARGEST}]")
+        if not all(type(b) is bool for b in (done, ready, rotate)):
+            raise ValueError("done, ready and rotate must be bools")
+        stack = _unframes(dec, run["stack"], drv.program, (), path, steps)
+        if not (fresh is None or type(fresh) is int and 0 <= fresh <= len(stack)):
+            raise ValueError(f"fresh is {fresh!r:.40}, expected None or an int in [0, {len(stack)}]")
     except (KeyError, TypeError, ValueError, LookupError) as err:
-        raise CheckpointError(path, f"malformed: the run's frames cannot be read ({err})") from None
+        raise CheckpointError(path, f"malformed: the run's frames cannot be read ({str(err)[:300]})") from None
     drv.steps, drv.done, drv._ready, drv._rotate, drv._fresh = steps, done, ready, rotate, fresh
     drv.result = dec.value(run.get("result"), "run/result")
     drv._carry = dec.value(run["carry"], "run/carry") if "carry" in run else NOVALUE
@@ -228,7 +256,7 @@ def load_state(path: Any, program: Element, key: bytes | str | None = None, rest
         raise CheckpointError(path, "malformed: the environment cannot be read") from None
     drv.invalidate()
     drv._resume = {"random": random_state, "settings": settings, "announce": True}
-    return drv.resume_with(random=restore_random, settings=restore_settings)
+    return drv
 
 
 def _pairs(items: Any, path: Any) -> list:
@@ -237,7 +265,9 @@ def _pairs(items: Any, path: Any) -> list:
     return items
 
 
-def _unframes(dec: Decoder, nodes: list, program: Element, base: tuple, path: Any) -> list:
+def _unframes(dec: Decoder, nodes: list, program: Element, base: tuple, path: Any, steps: int) -> list:
+    if type(nodes) is not list:
+        raise ValueError("a chain of frames is not a list")
     chain: list = []
     expected = base
     for k, node in enumerate(nodes):
@@ -252,10 +282,16 @@ def _unframes(dec: Decoder, nodes: list, program: Element, base: tuple, path: An
         fr = [el]
         for j, slot in enumerate(node["slots"], 1):
             if type(el) is WEAVE and j == WEAVE_SEGMENTS:
-                fr.append([None if seg is None else _unframes(dec, seg, program, where + (i,), path)
+                if type(slot) is not list:
+                    raise ValueError(f"frame at {node['path']!r}: its segments are not a list")
+                fr.append([None if seg is None else _unframes(dec, seg, program, where + (i,), path, steps)
                            for i, seg in enumerate(slot)])
             else:
                 fr.append(dec.value(slot, f"frames/{node['path'] or '<root>'}/{j}"))
+        try:
+            check_frame(fr, steps)
+        except ValueError as err:
+            raise ValueError(f"frame at {node['path'] or '<root>'!r} of a {el.kind}: {err}") from None
         chain.append(fr)
     return chain
 

@@ -10,6 +10,7 @@ fixed tables, and objects go to the ``objects`` hook.
 from __future__ import annotations
 
 import base64
+import re
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable
@@ -59,8 +60,9 @@ class Decoder:
             return self._tagged(have, node, where)
         except CheckpointError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as err:
-            raise self.error(where, f"malformed node ({type(err).__name__}: {err})") from None
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RuntimeError,
+                ArithmeticError) as err:  # (torch raises RuntimeError for what it refuses)
+            raise self.error(where, f"malformed node ({type(err).__name__}: {str(err)[:200]})") from None
         except RecursionError:
             raise self.error(where, "malformed: values nested too deeply") from None
 
@@ -115,7 +117,7 @@ class Decoder:
         if "torch_device" in node:
             import torch
 
-            return torch.device(_checked_str(node["torch_device"], 40))
+            return torch.device(device_name(node["torch_device"]))
         if "torch_size" in node:
             import torch
 
@@ -198,7 +200,7 @@ class Decoder:
         first = name not in self._used
         self._used.add(name)
         value = base if first else base.view(base.shape)
-        device = _checked_str(node.get("device", "cpu"), 40)
+        device = device_name(node.get("device", "cpu"))
         if device != "cpu":
             value = self._to_device(value, device, name)
         if node.get("parameter") is True:
@@ -228,6 +230,16 @@ class Decoder:
                 warnings.warn(f"flowvm: the state file {self.path} holds tensors saved on {device}, which this "
                               f"process does not have; they are loaded on the CPU", CopyWarning, stacklevel=4)
             return value
+
+
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:[0-9]{1,4})?")
+
+
+def device_name(value: Any) -> str:
+    """A device a file names, if it is one a run's tensors can be on (never "meta": no data)."""
+    if type(value) is not str or _DEVICE.fullmatch(value) is None:
+        raise ValueError(f"not a device a state file may name: {value!r:.40}")
+    return value
 
 
 def _checked_str(value: Any, limit: int = 1 << 31) -> str:

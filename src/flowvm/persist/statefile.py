@@ -39,6 +39,7 @@ from . import storage
 from ..base.errors import CheckpointError
 from ..base.version import __version__
 from .fileformat import Digests
+from .headers import check_header
 from .pickler import storage_bytes
 from .statevalues import numpy_dtype, torch_dtypes
 
@@ -131,7 +132,8 @@ def digests(metadata: dict, table: dict, views: dict, key: bytes | None, hashed:
         if name not in (SHA, XXH, MAC):
             parts += [_framed(name), _framed(metadata[name])]
     for name in sorted(table):
-        parts += [_framed(name), struct.pack(">Q", len(views[name])), *hashed[name]]
+        view = views[name]
+        parts += [_framed(name), struct.pack(">Q", view if type(view) is int else len(view)), *hashed[name]]
     if checksum == XXH:
         return piece_hash(XXH)(b"".join(parts)), None
     digests = Digests(key, threaded=False)
@@ -187,7 +189,7 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
     if "flowvm.format" not in metadata:
         raise CheckpointError(path, "not a flowvm state checkpoint (a safetensors file without flowvm's metadata)")
     fmt = metadata["flowvm.format"]
-    if not fmt.isdigit() or int(fmt) < 1:
+    if not (fmt.isascii() and fmt.isdigit() and len(fmt) < 10) or int(fmt) < 1:
         raise CheckpointError(path, f"corrupted: unknown format {fmt!r:.20}")
     if int(fmt) > FORMAT:
         raise CheckpointError(path, f"written in state format {fmt}; this flowvm (version {__version__}) reads "
@@ -205,7 +207,7 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
         raise CheckpointError(path, "corrupted: the tensor table cannot be read") from None
     if set(table) != names:
         raise CheckpointError(path, "corrupted: the file's tensors are not those its tensor table lists")
-    tensors, views, hashed = _read_tensors(name, path, table, keep, piece_hash(checksum))
+    tensors, views, hashed = _read_tensors(name, path, table, keep, piece_hash(checksum), size)
     found, mac = digests(metadata, table, views, key, hashed, checksum)
     if not hmac.compare_digest(found.hex(), metadata[checksum]):
         raise CheckpointError(path, "corrupted: checksum mismatch")
@@ -217,6 +219,7 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
             raise ValueError("signed")
     except (ValueError, KeyError, TypeError, RecursionError):
         raise CheckpointError(path, "corrupted: the metadata cannot be read") from None
+    check_header(header, path)
     if key is not None:
         if not signed:
             raise CheckpointError(path, "refused: the file is not signed, but a key was given")
@@ -228,60 +231,110 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
     return Loaded(header, parts, table, tensors)
 
 
-def _read_tensors(name: str, path: Any, table: dict, keep: bool, one):
-    """(tensors as restored or None, their byte views, their pieces' hashes by one), each tensor read piece by
-    piece from the file into memory of its own by worker threads (``preadv``: no page faults on a mapping of
-    the file, and the new memory's first-touch faults on every core), each piece hashed by the thread that
-    read it."""
+# safetensors' dtype names -> (numpy's dtype.str, torch's name); None: numpy has no such dtype
+_ST_DTYPES = {"BOOL": ("|b1", "bool"), "U8": ("|u1", "uint8"), "I8": ("|i1", "int8"), "I16": ("<i2", "int16"),
+              "U16": ("<u2", "uint16"), "I32": ("<i4", "int32"), "U32": ("<u4", "uint32"), "I64": ("<i8", "int64"),
+              "U64": ("<u8", "uint64"), "F16": ("<f2", "float16"), "BF16": (None, "bfloat16"),
+              "F32": ("<f4", "float32"), "F64": ("<f8", "float64"), "C64": ("<c8", "complex64"),
+              "F8_E4M3": (None, "float8_e4m3fn"), "F8_E5M2": (None, "float8_e5m2"),
+              "F8_E4M3FNUZ": (None, "float8_e4m3fnuz"), "F8_E5M2FNUZ": (None, "float8_e5m2fnuz")}
+MAX_DIMS = 64
+
+
+def _read_tensors(name: str, path: Any, table: dict, keep: bool, one, size: int):
+    """(tensors as restored or None, their byte views (without keep: their sizes), their pieces' hashes by one).
+
+    Each tensor's dtype and shape are read from the file's header (no data), checked against the table, and
+    its size against the file's; with keep, it is read piece by piece from the file into memory of its own
+    by worker threads (``preadv``: no page faults on a mapping of the file, and the new memory's first-touch
+    faults on every core), each piece hashed by the thread that read it.  Without keep, the pieces go
+    through one scratch buffer: memory stays bounded whatever the file declares."""
     from safetensors import safe_open
 
     torch_file = any(info["kind"] == "torch" for info in table.values())
-    if torch_file:
+    if torch_file and keep:
         try:
             import torch
         except ImportError:
             raise CheckpointError(path, "holds torch tensors: install torch to load it") from None
     import numpy as np
 
-    out, views, futures = {}, {}, {}
+    out, views, futures, hashed, total = {}, {}, {}, {}, 0
     with ThreadPoolExecutor(min(os.cpu_count() or 1, 16), thread_name_prefix="flowvm-state-read") as pool, \
-            safe_open(name, framework="pt" if torch_file else "np") as f, open(name, "rb", buffering=0) as raw:
-        base, offsets = _data_offsets(raw)  # safe_open has checked the header
+            safe_open(name, framework="np") as f, open(name, "rb", buffering=0) as raw:
+        base, offsets = _data_offsets(raw, size, path)
+        scratch = None if keep else memoryview(bytearray(PIECE))
         for tname in sorted(table):
             info = table[tname]
             try:
-                src = f.get_tensor(tname)  # a view of the mapped file: its dtype and shape, no bytes read
+                piece = f.get_slice(tname)  # its dtype and shape from the header: no bytes read
+                dtype, shape = _ST_DTYPES.get(piece.get_dtype()), list(piece.get_shape())
                 expect = _stored(info, torch_file)
-                got = (str(src.dtype).removeprefix("torch.") if torch_file else src.dtype.str, list(src.shape))
-                if torch_file and info["kind"] == "numpy" and not info.get("raw"):
-                    got = (src.numpy().dtype.str, got[1])
             except Exception as err:
                 raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} cannot be read "
                                             f"({type(err).__name__}: {str(err)[:120]})") from None
+            by_torch = torch_file and (info["kind"] == "torch" or info.get("raw"))
+            got = (None if dtype is None else dtype[1] if by_torch else dtype[0], shape)
             if got != expect:
                 raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} is {got}, its table says {expect}")
+            begin, end = offsets[tname]
+            nbytes = _nbytes(info)
+            total += nbytes
+            if end - begin != nbytes or total > size:
+                raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} has {end - begin} bytes in the "
+                                            f"file, {nbytes} by its dtype and shape")
             if keep:
-                own = torch.empty_like(src, memory_format=torch.contiguous_format) if torch_file \
-                    else np.empty_like(src, order="C")
+                own = _empty(info, torch_file)
                 view = _bytes_of(own)
-                begin, end = offsets[tname]
-                if end - begin != len(view):
-                    raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} has {end - begin} bytes in the "
-                                                f"file, {len(view)} by its dtype and shape")
                 futures[tname] = [pool.submit(_read_piece, raw, view[i: i + PIECE], base + begin + i, one)
                                   for i in range(0, len(view), PIECE)] or [pool.submit(one, view)]
                 out[tname] = own
+                views[tname] = view
             else:
-                view = _bytes_of(src)
-                futures[tname] = [pool.submit(one, p) for p in _pieces(view)]
-            views[tname] = view
+                try:
+                    hashed[tname] = [_read_piece(raw, scratch[: min(PIECE, nbytes - i)], base + begin + i, one)
+                                     for i in range(0, nbytes, PIECE)] or [one(b"")]
+                except EOFError:
+                    raise CheckpointError(path, "truncated: the file ends inside a tensor's data") from None
+                views[tname] = nbytes
         try:
-            hashed = {n: [x.result() for x in fs] for n, fs in futures.items()}
+            hashed.update({n: [x.result() for x in fs] for n, fs in futures.items()})
         except EOFError:
             raise CheckpointError(path, "truncated: the file ends inside a tensor's data") from None
     if not keep:
         return None, views, hashed
     return {n: _final(own, table[n], torch_file) for n, own in out.items()}, views, hashed  # once read
+
+
+def _itemsize(info: dict) -> int:
+    if info["kind"] == "numpy":
+        return numpy_dtype(info["dtype"]).itemsize
+    dtype = torch_dtypes().get(info["dtype"])
+    if dtype is None:
+        raise ValueError(f"unknown torch dtype {info['dtype']!r:.40}")
+    return dtype.itemsize
+
+
+def _nbytes(info: dict) -> int:
+    count = 1
+    for n in info["shape"]:
+        count *= n
+    return count * _itemsize(info)
+
+
+def _empty(info: dict, torch_file: bool) -> Any:
+    """Memory of its own for a tensor of the table (as safetensors holds it: raw ones as bytes)."""
+    import numpy as np
+
+    if torch_file:
+        import torch
+
+        dtype = torch.uint8 if info.get("raw") else torch.from_numpy(np.empty(0, numpy_dtype(info["dtype"]))).dtype \
+            if info["kind"] == "numpy" else torch_dtypes()[info["dtype"]]
+        return torch.empty([_nbytes(info)] if info.get("raw") else info["shape"], dtype=dtype)
+    if info.get("raw"):
+        return np.empty(_nbytes(info), dtype=np.uint8)
+    return np.empty(info["shape"], dtype=numpy_dtype(info["dtype"]))
 
 
 def _read_piece(raw, view: memoryview, offset: int, one) -> bytes:
@@ -304,18 +357,29 @@ _preadv = getattr(os, "preadv", None)
 _seeking = threading.Lock()
 
 
-def _data_offsets(raw) -> tuple[int, dict]:
-    """(where the data starts, name -> [begin, end] within it) from a safetensors file's header."""
+def _data_offsets(raw, size: int, path: Any) -> tuple[int, dict]:
+    """(where the data starts, name -> [begin, end] within it) from a safetensors file's header, each checked
+    against the file's size."""
     raw.seek(0)
-    (size,) = struct.unpack("<Q", raw.read(8))
-    header = json.loads(raw.read(size))
-    return 8 + size, {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+    (n,) = struct.unpack("<Q", raw.read(8))
+    if n > size - 8:
+        raise CheckpointError(path, "truncated or corrupted: the safetensors header does not fit in the file")
+    header = json.loads(raw.read(n))
+    offsets = {}
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        begin, end = v["data_offsets"]
+        if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= size - 8 - n):
+            raise CheckpointError(path, f"corrupted: tensor {k!r:.80} lies outside the file")
+        offsets[k] = (begin, end)
+    return 8 + n, offsets
 
 
 def _stored(info: dict, torch_file: bool) -> tuple:
     """(dtype, shape) of a table entry as the safetensors tensor holds it."""
     shape = info.get("shape")
-    if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
+    if type(shape) is not list or len(shape) > MAX_DIMS or not all(type(n) is int and 0 <= n < 1 << 62 for n in shape):
         raise ValueError("bad shape in the tensor table")
     if not info.get("raw"):
         return info["dtype"], shape

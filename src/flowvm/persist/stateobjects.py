@@ -47,7 +47,8 @@ from ..machine.depends import Depends
 from ..program.elements import CALL, Element
 from ..program.paths import format_path, walk
 from ..program.registers import Register, Registers
-from .statedecoder import Decoder
+from ..base.environment import global_generator_name
+from .statedecoder import Decoder, device_name
 from .statevalues import MISSING, Encoder, Refused, type_name
 
 HINT = ("give its class state_dict() and load_state_dict() (a dict of numbers, strings, arrays and tensors), "
@@ -317,7 +318,11 @@ def _new_generator(dec: Decoder, kind: str, node: dict, where: str) -> Any:
     if kind == "torch_generator":
         import torch
 
-        return torch.Generator(device=torch.device(str(node.get("device", "cpu"))[:40]))
+        try:
+            return torch.Generator(device=torch.device(device_name(node.get("device", "cpu"))))
+        except (ValueError, RuntimeError) as err:
+            raise dec.error(where, f"a torch generator on {node.get('device')!r:.40}, which this process cannot "
+                                   f"make ({str(err).strip()[:120]})") from None
     import numpy as np
 
     if kind == "numpy_random_state":
@@ -353,11 +358,7 @@ def _restore_into(dec: Decoder, have: Any, node: dict, kind: str, where: str) ->
         raise dec.error(where, f"the saved run has a {saved} here; the rebuilt program has a {type_name(have)}")
     dec.keep(node, have)
     if kind == "attributes":
-        for name, x in node["attributes"]:
-            if type(name) is not str:
-                raise dec.error(where, "malformed attribute name")
-            old = have.__dict__.get(name, MISSING)
-            have.__dict__[name] = dec.restore(old, x, f"{where}/{name}")
+        _restore_attributes(dec, have, node["attributes"], where)
         return have
     state = dec.value(node["state_dict"], f"{where}/state_dict")
     try:
@@ -376,6 +377,39 @@ def _restore_into(dec: Decoder, have: Any, node: dict, kind: str, where: str) ->
             if name in flags:
                 m.training = flags[name]
     return have
+
+
+def _restore_attributes(dec: Decoder, have: Any, pairs: Any, where: str) -> None:
+    """Set the saved attributes on have: never one its class defines (a method, a property: the file
+    would shadow the object's code), and, where have already holds the attribute, only a value of the same
+    kind (an array stays an array, an object's own generator is not swapped for a global one)."""
+    if type(pairs) is not list:
+        raise dec.error(where, "malformed attributes")
+    cls = type(have)
+    for pair in pairs:
+        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str or not pair[0].isidentifier() \
+                or pair[0].startswith("__"):
+            raise dec.error(where, f"malformed attribute {pair!r:.60}")
+        name, x = pair
+        old = have.__dict__.get(name, MISSING)
+        if old is MISSING and hasattr(cls, name):
+            raise dec.error(f"{where}/{name}", f"the file sets {name!r} on a {type_name(have)}, whose class "
+                                               f"defines it ({type_name(getattr(cls, name, None))}): refused")
+        value = dec.restore(old, x, f"{where}/{name}")
+        if old is not MISSING and not _same_kind(old, value):
+            raise dec.error(f"{where}/{name}", f"the file puts a {type_name(value)} where the rebuilt program's "
+                                               f"{type_name(have)} holds a {type_name(old)}")
+        have.__dict__[name] = value
+
+
+def _same_kind(old: Any, new: Any) -> bool:
+    """Whether an attribute may go from old (the rebuilt program's) to new (the file's)."""
+    import numbers
+
+    if old is None or new is None or type(old) is type(new):
+        return global_generator_name(new) is None or global_generator_name(old) is not None
+    plain_number = (lambda v: isinstance(v, numbers.Number) and type(v) is not bool and not _array_like(v))
+    return plain_number(old) and plain_number(new)
 
 
 def check_program_objects(dec: Decoder, saved: list, program: Element, path: Any) -> None:

@@ -109,11 +109,14 @@ def _open_write_local(path: Path) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(err, OSError):  # a full disk, a quota, an immutable file: the previous file is kept
+            raise CheckpointError(path, f"cannot save: {err.strerror or err}; the file there is as it "
+                                        "was") from err
         raise
     _sync_directory(directory)  # make the rename itself durable
 
@@ -219,7 +222,7 @@ def _remove_orphaned_temporaries(path: Path) -> None:
         return
     for name in names:
         pid_text = name[len(prefix):-len(suffix)].partition("-")[0]
-        if not pid_text.isdigit() or not dead(int(pid_text)):
+        if not (pid_text.isascii() and pid_text.isdigit()) or not dead(int(pid_text)):
             continue
         orphan = path.parent / name
         try:
@@ -260,6 +263,7 @@ def write_local_with(path: Path, save_to, target: Any = None) -> None:
     directory = path.parent if str(path.parent) else Path(".")
     try:
         fd, tmp = _create_temporary(path)
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)  # path's, or those the umask gives a new file
         os.close(fd)
     except OSError as err:
         raise CheckpointError(target, f"cannot save: {err.strerror or err} in {directory}") from err
@@ -267,6 +271,7 @@ def write_local_with(path: Path, save_to, target: Any = None) -> None:
         save_to(tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:
+            os.fchmod(fd, mode)  # the writer may have made its own file, with its own permissions
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -276,8 +281,9 @@ def write_local_with(path: Path, save_to, target: Any = None) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        if isinstance(err, OSError):
-            raise CheckpointError(target, f"cannot save: {err.strerror or err}") from err
+        if isinstance(err, OSError) or type(err).__name__ == "SafetensorError":  # a full disk, a quota, ...
+            why = err.strerror if isinstance(err, OSError) and err.strerror else str(err).strip()[:200]
+            raise CheckpointError(target, f"cannot save: {why}; the file there is as it was") from err
         raise
     _sync_directory(directory)  # make the rename itself durable
 
