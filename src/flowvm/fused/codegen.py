@@ -3,13 +3,14 @@ calls read and returning those they write (see flowvm/fused/runtime.py for how i
 
 from __future__ import annotations
 
+import hashlib
 import keyword
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 
-from ..program.registers import Register
+from ..program.registers import Register, resolve
 
 
 def generate(el) -> "Generated":
@@ -59,7 +60,8 @@ def generate(el) -> "Generated":
         body(range(split, len(calls)))
         ret([r.name for r in el.outputs])
     source = "\n".join(lines) + "\n"
-    filename = f"<flowvm FUSED {id(el):x}>"
+    # named by its source, so that the same calls give the same function (and pickle) in every process
+    filename = f"<flowvm FUSED {hashlib.sha1(source.encode()).hexdigest()[:16]}>"
     exec(compile(source, filename, "exec"), ns)
     names = [r.name for r in el.inputs]
     positions = None if head_inputs == names else tuple(names.index(n) for n in head_inputs)
@@ -110,6 +112,12 @@ def _src(value: Any, name: str, ns: dict, var: dict) -> str:
     """Source for an argument: a register's variable, a container built inline, or a constant."""
     if isinstance(value, Register):
         return var[value.name]
+    if _has_register(value) and not _frozen(value):
+        # a list or dict holding registers may be changed in place: read it at each call, as a CALL does
+        ns[name] = value
+        ns["resolve"] = resolve
+        file = ", ".join(f"{r.name!r}: {var[r.name]}" for r in _registers(value))
+        return f"resolve({name}, {{{file}}})"
     if isinstance(value, (list, tuple)) and _has_register(value):
         items = [_src(v, f"{name}_{k}", ns, var) for k, v in enumerate(value)]
         if isinstance(value, list):
@@ -128,6 +136,31 @@ def _src(value: Any, name: str, ns: dict, var: dict) -> str:
         return text
     ns[name] = value
     return name
+
+
+def _frozen(value: Any) -> bool:
+    """A tuple (or namedtuple) whose items are registers or frozen tuples: it cannot change, so it is built
+    inline; anything else holding registers is read at each call."""
+    if isinstance(value, Register):
+        return True
+    if isinstance(value, tuple) and (type(value) is tuple or hasattr(type(value), "_fields")):
+        return all(_frozen(v) or not _has_register(v) and _immutable(v) for v in value)
+    return False
+
+
+def _immutable(value: Any) -> bool:
+    from .reads import immutable
+
+    return immutable(value)
+
+
+def _registers(value: Any) -> list:
+    from ..program.registers import iter_registers
+
+    seen: dict[str, Register] = {}
+    for r in iter_registers(value):
+        seen.setdefault(r.name, r)
+    return list(seen.values())
 
 
 def _has_register(value: Any) -> bool:

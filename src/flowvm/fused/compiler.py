@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .codegen import _barrier_index
 from .isolation import isolate_random_state, isolate_tracing
-from .checks import mismatch, plain_graph, plain_tensor
+from .checks import holds_state, mismatch, plain_graph, plain_tensor, torch_function
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -153,16 +153,21 @@ def _inductor_after_tracing(s, traced: threading.Event) -> Callable:
 
 
 def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
-    """For a head that only computes on plain tensors (no autograd, no modules, nothing mutated or
-    aliased), inductor's compiled graph called directly, with no dynamo guards: (layouts, fn, bare
-    callable or None).
+    """For a head that only calls torch's own functions on plain tensors (no autograd, no modules, nothing
+    mutated or aliased), inductor's compiled graph called directly, with no dynamo guards: (layouts, fn,
+    bare callable or None, reads).
 
     The guard is flowvm's own: every input has the layout (type, dtype, device, shape, strides) it
-    was compiled for and needs no gradient; anything else takes the dynamo path.  A small fused
-    step spends more time in dynamo's guards and frame handling than in its kernel, so this is
+    was compiled for and needs no gradient, and everything else the trace read (``reads``: the calls'
+    mutable constants, the torch settings; flowvm/fused/reads.py) is as it was; anything else takes the
+    dynamo path.  A function of the user's may read globals, closures or attributes that a trace would
+    keep as constants: only dynamo's guards check those, so such a head has no direct form.  A small
+    fused step spends more time in dynamo's guards and frame handling than in its kernel, so this is
     where compiling pays off for it.  None when the head does not qualify (or anything fails).
     """
     import torch
+
+    from .reads import Reads, Unchecked
 
     s = rt.settings
     if s.backend != "inductor" or s.mode not in (None, "default") or s.dynamic or inference:
@@ -172,12 +177,12 @@ def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
     gen = rt.generated
     calls = rt.el.calls if gen.tail is None else rt.el.calls[:_barrier_index(rt.el.calls)]
     for call in calls:
-        if isinstance(call.fn, torch.nn.Module) or getattr(call.fn, "__self__", None) is not None \
-                and isinstance(call.fn.__self__, torch.nn.Module):
+        if not torch_function(call.fn) or holds_state(list(call.args)) or holds_state(dict(call.kwargs)):
             return None
-        for value in list(call.args) + list(call.kwargs.values()):
-            if isinstance(value, torch.nn.Module) or (isinstance(value, torch.Tensor) and value.requires_grad):
-                return None
+    try:
+        reads = Reads.capture(calls)  # now, as the trace reads them: the compile thread has the program's modes
+    except Unchecked:
+        return None
     try:
         from torch._inductor.compile_fx import compile_fx_inner
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -197,7 +202,7 @@ def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
     call = getattr(fn, "current_callable", None)
     if call is None or not set(getattr(fn, "device_types", None) or ()) <= {"cpu"}:
         call = None
-    return layouts, fn, call
+    return layouts, fn, call, reads
 
 
 def _direct_caller(rt: Runtime, kernel: Callable, first: bool) -> Callable:
@@ -207,15 +212,14 @@ def _direct_caller(rt: Runtime, kernel: Callable, first: bool) -> Callable:
     the graph's wrapper runs once and then its bare callable replaces it (see _direct_compile)."""
     import torch
 
-    layouts = rt._direct[0]
+    layouts, reads = rt._direct[0], rt._direct[3]
     gen = rt.generated
     n = len(rt.el.inputs)
     params = [f"a{k}" for k in range(n)]
     head = params if gen.head_positions is None else [params[k] for k in gen.head_positions]
     ns: dict[str, Any] = {"rt": rt, "kernel": kernel, "tail": gen.tail, "general": type(rt)._compiled_call,
-                          "after_first": _after_first_direct_call, "strided": torch.strided,
-                          "autocast": torch._C._is_any_autocast_enabled}
-    checks = ["not autocast()"]  # compiled without autocast: under it, eager computes in other dtypes
+                          "after_first": _after_first_direct_call, "strided": torch.strided}
+    checks = []
     for k, (name, (cls, dtype, device, shape, stride)) in enumerate(zip(head, layouts)):
         ns.update({f"c{k}": cls, f"d{k}": dtype, f"s{k}": shape, f"t{k}": stride, f"v{k}": device})
         where = f"{name}.is_cpu" if device == torch.device("cpu") else f"{name}.device == v{k}"
@@ -223,6 +227,8 @@ def _direct_caller(rt: Runtime, kernel: Callable, first: bool) -> Callable:
         checks.append(f"type({name}) is c{k} and {name}.dtype is d{k} and not {name}.requires_grad "
                       f"and {name}.shape == s{k} and {name}.stride() == t{k} and {where} "
                       f"and {name}.layout is strided and {lazy}")
+    # the torch settings (autocast, the default dtype...) and the calls' mutable constants as compiled
+    checks += reads.source(ns)
     stateful = getattr(kernel, "ready", None) is not None  # flowvm/fused/stateful.py: modules' state too
     if stateful:
         ns["ready"] = kernel.ready
@@ -269,7 +275,7 @@ def _head_args(rt: Runtime, args: tuple) -> tuple:
 
 
 def _install_bare(rt: Runtime, old: Callable) -> None:
-    _, fn, bare = rt._direct
+    _, fn, bare, _ = rt._direct
     new = _direct_caller(rt, bare if bare is not None else fn, first=False)
     rt._compiled_call = new
     if rt.current is old:

@@ -47,6 +47,7 @@ from ..base.errors import FusionWarning
 from ..base.errors import WarmedUp as _WarmedUp
 from ..machine.running import remaining_runs
 from . import outofprocess, stateful
+from .reads import Reads, Unchecked
 from .codegen import _barrier_index, generate, leaf_source
 from .compiler import (_compiler_ready, _direct_caller, _direct_compile, _inductor_after_tracing, _modules, _submit,
                        compile_estimate, program_ran, program_waits)
@@ -90,7 +91,7 @@ class Runtime:
         self._chosen: Callable = self.eager
         self._compiled: Callable | None = None
         self._runonly: Callable | None = None
-        self._direct: tuple | None = None  # (input layouts, compiled graph, its bare callable): _direct_compile
+        self._direct: tuple | None = None  # (input layouts, compiled graph, its bare callable, reads): _direct_compile
         self.refused: str | None = None    # why the out-of-process compile did not give a graph (see _out_of_process)
         self._verify = False               # check the direct graph's first call against eager
         self._job_pid: int | None = None   # the process whose child compiles the step (_out_of_process)
@@ -463,13 +464,18 @@ class Runtime:
 
             def load(workdir: str) -> Any:
                 return stateful.Kernel(plan, workdir)
+        try:  # what the package will keep besides its inputs, as the child sees it (flowvm/fused/reads.py)
+            reads = Reads.capture(calls)
+        except Unchecked as why:
+            self.refused = str(why)
+            return False
         layouts = tuple((type(a), a.dtype, a.device, a.shape, a.stride()) for a in head_args)
         start = time.perf_counter()
 
         def done(run, error):
             try:
                 if run is not None:
-                    self._direct = (layouts, run, run)
+                    self._direct = (layouts, run, run, reads)
                     self._verify = True  # the first call is checked against eager (_after_first_direct_call)
                     self.compile_seconds.append(time.perf_counter() - start)
                     compiler_seconds.append(self.compile_seconds[-1])
