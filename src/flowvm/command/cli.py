@@ -45,7 +45,7 @@ from ..base.errors import CheckpointError, FlowError, StoppedDuringStartup
 from .targets import build_program, bundled_programs, load_module
 from .common import KEY_ENV, check_checkpoint_path, check_output, checkpoint_location, finish, is_state, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, trusted_header, write_model
 from .runner import DEFAULT_EVERY_SECONDS, Stop, static_steps
-from .state_commands import cmd_resume_state, cmd_show_state
+from .state_commands import cmd_resume_state, cmd_show_checkpoint, cmd_show_state
 from .sweeps import cmd_plot, cmd_sweep, start_dask
 
 
@@ -108,17 +108,7 @@ def cmd_resume(args) -> int:
 def cmd_show(args) -> int:
     if is_state(args.path):
         return cmd_show_state(args)
-    header, key = trusted_header(args, args.path)
-    meta = header.get("meta") or {}
-    module_of(meta)
-    drv = checkpoint.load(args.path, key=key, restore_random=False)
-    what = f" {meta['target']}" + "".join(f" --set {s}" for s in meta.get("sets", [])) + "," \
-        if meta.get("target") else ""
-    print(f"# {args.path}:{what} written by flowvm {header['flowvm']} (Python {header['python']}) "
-          f"at {header['created']}")
-    print(drv)  # the listing, headed by the step count and marked at the position
-    print(registers_summary(drv.registers))
-    return 0
+    return cmd_show_checkpoint(args)
 
 
 def cmd_verify(args) -> int:
@@ -194,6 +184,9 @@ def parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print a saved run: program, position, registers")
     show.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
     show.add_argument("--key")
+    show.add_argument("--trust", action="store_true",
+                      help="pickle checkpoints: load an unsigned file to show its registers (runs code the file "
+                           "chooses: only for files from a source you trust)")
     show.set_defaults(func=cmd_show)
 
     verify = sub.add_parser("verify", help="check a program")
