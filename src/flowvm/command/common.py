@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -82,6 +83,15 @@ def describe_value(value: Any) -> tuple[str, str]:
     if isinstance(value, float):
         return kind, f"{value:.6g}"
     return kind, fmt(value, 60)
+
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
+
+
+def printable(text: str) -> str:
+    """text with its control characters escaped (``\\x1b``, ``\\u202e``): a file's names and listing reach
+    the terminal as text, never as escape sequences (line breaks and tabs are kept)."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1] if m.group() != "\\" else m.group(), text)
 
 
 def registers_summary(registers: dict) -> str:

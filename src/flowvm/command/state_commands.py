@@ -8,7 +8,9 @@ from pathlib import Path
 
 from ..persist import state
 from .targets import build_program
-from .common import KEY_ENV, check_checkpoint_path, check_output, finish, key_of, registers_summary, runner_for, set_threads, write_model
+from ..persist import checkpoint
+from .common import (KEY_ENV, check_checkpoint_path, check_output, finish, key_of, module_of, printable,
+                     registers_summary, runner_for, set_threads, trusted_header, write_model)
 
 
 
@@ -54,15 +56,50 @@ def cmd_resume_state(args) -> int:
     return status
 
 
+def _title(path, header: dict, what: str) -> str:
+    meta = header.get("meta") or {}
+    run = f" {meta['target']}" + "".join(f" --set {s}" for s in meta.get("sets", [])) + "," \
+        if meta.get("target") else ""
+    return (f"# {path}:{run} {what}written by flowvm {header.get('flowvm')} (Python {header.get('python')}) "
+            f"at {header.get('created')}")
+
+
 def cmd_show_state(args) -> int:
     """Print a state file's run: its saved listing with the position, and its registers; imports nothing."""
     _, key = _state_header(args)
     header, listing, registers = state.show_state(args.path, key=key)
-    meta = header.get("meta") or {}
-    what = f" {meta['target']}" + "".join(f" --set {s}" for s in meta.get("sets", [])) + "," \
-        if meta.get("target") else ""
-    print(f"# {args.path}:{what} state checkpoint written by flowvm {header['flowvm']} (Python {header['python']}) "
-          f"at {header['created']}")
-    print(listing)
-    print(registers_summary(registers))
+    print(printable(_title(args.path, header, "state checkpoint ")))
+    print(printable(listing))
+    print(printable(registers_summary(registers)))
     return 0
+
+
+def cmd_show_checkpoint(args) -> int:
+    """Print a pickle checkpoint's run.  Unsigned and without --trust: its header only, read without importing
+    or unpickling anything (the modules loading it would import are listed); with its key (signed) or
+    --trust: the run loaded, its listing with the position and its registers."""
+    header, key = trusted_header(args, args.path)
+    meta = header.get("meta") or {}
+    print(printable(_title(args.path, header, "")))
+    if key is None and not getattr(args, "trust", False):
+        state_text = f"finished after {header.get('steps')} steps" if header.get("done") else \
+            f"step {header.get('steps')}"
+        print(printable(f"# flowvm driver: {state_text} of a {header.get('program')}"))
+        settings = header.get("settings") or {}
+        if settings:
+            print(printable("settings: " + ", ".join(f"{n}={v!r}" for n, v in settings.items())))
+        names = checkpoint.references(args.path)
+        shown = ", ".join(f"{m}.{n}" for m, n in names[:_NAMES]) + (f", ... ({len(names)} in all)"
+                                                                    if len(names) > _NAMES else "")
+        print(printable(f"loading it imports and calls: {shown or 'nothing'}"))
+        print("registers: not shown: the file is unsigned, and reading them runs code the file chooses; give "
+              f"--trust if you trust its source, or its key (--key or ${KEY_ENV}) if it is signed")
+        return 0
+    module_of(meta)
+    drv = checkpoint.load(args.path, key=key, restore_random=False)
+    print(printable(str(drv)))  # the listing, headed by the step count and marked at the position
+    print(printable(registers_summary(drv.registers)))
+    return 0
+
+
+_NAMES = 20  # names of what loading imports, listed by show

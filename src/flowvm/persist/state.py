@@ -37,8 +37,7 @@ import os
 import platform
 import time
 import warnings
-from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from . import storage
 from ..base.environment import check_random, check_settings
@@ -56,6 +55,7 @@ from .statefile import FORMAT, MAC, checksum_name, digests, read_state, views_of
 from .stateframes import LARGEST, check_frame
 from .stateobjects import check_program_objects, encode_object, restore_object, roots
 from .statedecoder import Decoder
+from .stateshow import SavedArray, SavedObject, malformed, pairs as _pairs, show_state
 from .statevalues import Encoder, Refused
 
 __all__ = ["save_state", "load_state", "read_state_header", "show_state", "read_state", "collect", "compare",
@@ -199,21 +199,6 @@ def load_state(path: Any, program: Element, key: bytes | str | None = None, rest
     return drv.resume_with(random=restore_random, settings=restore_settings)
 
 
-@contextmanager
-def malformed(path: Any, what: str) -> Iterator[None]:
-    """Whatever a malformed file makes fail in the block, as a CheckpointError naming the file (the checks
-    name the field at fault; this catches what they miss)."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except (MemoryError, KeyboardInterrupt):
-        raise
-    except Exception as err:
-        raise CheckpointError(path, f"malformed: {what} cannot be read ({type(err).__name__}: "
-                                    f"{str(err)[:200]})") from None
-
-
 def _restore(loaded, program: Element, path: Any, allowed: dict):
     """A driver of program holding the run of a checked state file (its settings and random states to be
     set at its first step)."""
@@ -257,12 +242,6 @@ def _restore(loaded, program: Element, path: Any, allowed: dict):
     drv.invalidate()
     drv._resume = {"random": random_state, "settings": settings, "announce": True}
     return drv
-
-
-def _pairs(items: Any, path: Any) -> list:
-    if type(items) is not list or not all(type(p) is list and len(p) == 2 and type(p[0]) is str for p in items):
-        raise CheckpointError(path, "malformed: the registers cannot be read")
-    return items
 
 
 def _unframes(dec: Decoder, nodes: list, program: Element, base: tuple, path: Any, steps: int) -> list:
@@ -325,47 +304,3 @@ def compare(saved: Any, here: dict, path: Any) -> None:
 
 def _children(n: Any) -> str:
     return f"{n} child" if n == 1 else f"{n} children"
-
-
-# ====================================================================== showing
-class SavedObject:
-    """Stands for an object's state when a state file is read without its program (``flowvm show``)."""
-
-    def __init__(self, node: dict):
-        self.type = str(node.get("type") or next(iter(node), "object"))[:80]
-
-    def __repr__(self) -> str:
-        return f"<saved state of a {self.type}>"
-
-
-def _placeholder(dec: Decoder, have: Any, node: dict, where: str) -> Any:
-    return dec.keep(node, SavedObject(node))
-
-
-def show_state(path: Any, key: bytes | str | None = None) -> tuple[dict, str, dict]:
-    """(header, the listing marked with the position, the registers) of a state file, read without its
-    program: objects' states show as SavedObject, nothing is imported or restored."""
-    loaded = read_state(path, _key_bytes(key), keep=True)
-    dec = Decoder(loaded.table, loaded.tensors, path, _placeholder)
-    parts = loaded.parts
-    for item in parts["objects"]:
-        dec.value(item[1], f"objects/{item[0]}")
-    registers = {name: dec.value(node, f"registers/{name}") for name, node in _pairs(parts["registers"], path)}
-    run, head = parts["run"], loaded.header
-    rows = parts["program"].get("listing", [])
-    index = {p: k for k, (p, _, _) in enumerate(rows) if p is not None}
-    notes: dict[int, tuple] = {}
-    for p, gutter, comment in run.get("marks", []):  # as flowvm.program.printer.listing places them
-        while p not in index and p:
-            p = p.rpartition(".")[0]
-        k = index.get(p)
-        if k is not None and (k not in notes or (gutter.strip() and not notes[k][0].strip())):
-            notes[k] = (gutter, comment or notes.get(k, ("", ""))[1])
-    width = 3 if notes else 0
-    text = []
-    for k, (p, depth, body) in enumerate(rows):
-        gutter, comment = notes.get(k, ("", ""))
-        text.append(f"{gutter:<{width}}{'    ' * depth}{body}" + (f"  # {comment}" if comment else ""))
-    state = f"finished after {head['steps']} steps" if head.get("done") else \
-        f"step {head['steps']}" + (f", next: path {head['position']!r}" if head.get("position") is not None else "")
-    return head, f"# flowvm driver: {state}\n" + "\n".join(text), registers

@@ -155,9 +155,9 @@ class Loaded(NamedTuple):
     tensors: dict | None
 
 
-def read_state(path: Any, key: bytes | None = None, verify: bool = True, keep: bool = True) -> Loaded:
+def read_state(path: Any, key: bytes | None = None, verify: bool = True, keep: bool | int = True) -> Loaded:
     """Read and check a state file (see the module docstring for the order of the checks); with keep, its
-    tensors are copied into memory of their own (else only hashed)."""
+    tensors are copied into memory of their own (else only hashed; keep=N: those of at most N bytes)."""
     local = storage.local_path(path)
     if local is not None:
         return _read_local(str(local), path, key, verify, keep)
@@ -169,7 +169,7 @@ def read_state(path: Any, key: bytes | None = None, verify: bool = True, keep: b
         return _read_local(name, path, key, verify, keep)
 
 
-def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: bool) -> Loaded:
+def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: bool | int) -> Loaded:
     from safetensors import safe_open
 
     try:
@@ -241,7 +241,7 @@ _ST_DTYPES = {"BOOL": ("|b1", "bool"), "U8": ("|u1", "uint8"), "I8": ("|i1", "in
 MAX_DIMS = 64
 
 
-def _read_tensors(name: str, path: Any, table: dict, keep: bool, one, size: int):
+def _read_tensors(name: str, path: Any, table: dict, keep: bool | int, one, size: int):
     """(tensors as restored or None, their byte views (without keep: their sizes), their pieces' hashes by one).
 
     Each tensor's dtype and shape are read from the file's header (no data), checked against the table, and
@@ -252,7 +252,7 @@ def _read_tensors(name: str, path: Any, table: dict, keep: bool, one, size: int)
     from safetensors import safe_open
 
     torch_file = any(info["kind"] == "torch" for info in table.values())
-    if torch_file and keep:
+    if torch_file and keep is not False:
         try:
             import torch
         except ImportError:
@@ -263,7 +263,7 @@ def _read_tensors(name: str, path: Any, table: dict, keep: bool, one, size: int)
     with ThreadPoolExecutor(min(os.cpu_count() or 1, 16), thread_name_prefix="flowvm-state-read") as pool, \
             safe_open(name, framework="np") as f, open(name, "rb", buffering=0) as raw:
         base, offsets = _data_offsets(raw, size, path)
-        scratch = None if keep else memoryview(bytearray(PIECE))
+        scratch = None if keep is True else memoryview(bytearray(PIECE))
         for tname in sorted(table):
             info = table[tname]
             try:
@@ -283,7 +283,7 @@ def _read_tensors(name: str, path: Any, table: dict, keep: bool, one, size: int)
             if end - begin != nbytes or total > size:
                 raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} has {end - begin} bytes in the "
                                             f"file, {nbytes} by its dtype and shape")
-            if keep:
+            if keep is True or keep is not False and nbytes <= keep:
                 own = _empty(info, torch_file)
                 view = _bytes_of(own)
                 futures[tname] = [pool.submit(_read_piece, raw, view[i: i + PIECE], base + begin + i, one)
@@ -301,7 +301,7 @@ def _read_tensors(name: str, path: Any, table: dict, keep: bool, one, size: int)
             hashed.update({n: [x.result() for x in fs] for n, fs in futures.items()})
         except EOFError:
             raise CheckpointError(path, "truncated: the file ends inside a tensor's data") from None
-    if not keep:
+    if keep is False:
         return None, views, hashed
     return {n: _final(own, table[n], torch_file) for n, own in out.items()}, views, hashed  # once read
 
