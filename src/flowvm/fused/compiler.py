@@ -48,7 +48,17 @@ def program_waits() -> None:
     _program_ran[0] = 0.0
 
 
+class Stopped(BaseException):
+    """Raised inside the compile thread's job when the program ends (see ``stop``): it unwinds the job."""
+
+
+STOP_WAIT = 5.0  # seconds the program's end waits for the compile thread to unwind its job
+_stopping = threading.Event()
+
+
 def _pace(frame, event, arg) -> None:
+    if _stopping.is_set():
+        raise Stopped()  # unsets this hook: raised once, at the job's next call
     now = time.perf_counter()
     if now - _slice[0] >= RUN_SLICE:
         if now - _program_ran[0] < 0.1:  # the program stepped in the last 100 ms: give it the GIL for a while
@@ -58,33 +68,72 @@ def _pace(frame, event, arg) -> None:
 
 def _work() -> None:
     global _busy
-    sys.setprofile(_pace)  # this thread only
-    while True:
+    while not _stopping.is_set():
         job = _jobs.get()
+        sys.setprofile(_pace)  # this thread only (set again for each job: raising Stopped unsets it)
         try:
-            job()
+            if not _stopping.is_set():
+                job()
         except BaseException:  # pragma: no cover - a job records its own errors
             pass
         finally:
+            sys.setprofile(None)
             with _worker_lock:
                 _busy -= 1
 
 
 def _submit(job: Callable[[], None], only_if_free: bool = False) -> bool:
-    """Run job on the compile thread (a daemon: a short run never waits for it at exit); with
-    only_if_free, only when no other job is queued or running.  Whether it was submitted."""
+    """Run job on the compile thread (a daemon: a short run never waits for it at exit, see ``stop``);
+    with only_if_free, only when no other job is queued or running.  Whether it was submitted (not when the
+    program is ending, nor when the thread cannot start: the caller tries again later)."""
     global _worker, _busy
     with _worker_lock:
-        if only_if_free and _busy:
+        if _stopping.is_set() or only_if_free and _busy:
             return False
         if _worker is None or not _worker.is_alive():
-            _worker = threading.Thread(target=_work, name="flowvm-compile", daemon=True)
-            isolate_tracing(_worker)  # its tracing must not patch what the program's own calls do
-            isolate_random_state(_worker)  # nor set back the generators the program draws from
-            _worker.start()
+            worker = threading.Thread(target=_work, name="flowvm-compile", daemon=True)
+            isolate_tracing(worker)  # its tracing must not patch what the program's own calls do
+            isolate_random_state(worker)  # nor set back the generators the program draws from
+            try:
+                worker.start()
+            except RuntimeError:  # can't start new thread: the machine is short of resources for now
+                return False
+            _worker = worker
         _busy += 1
         _jobs.put(job)
     return True
+
+
+def stop(wait: float = STOP_WAIT) -> None:
+    """The program ends: the compile thread's job unwinds at its next Python call (``Stopped``, raised by
+    its profile hook) and the thread ends, waited for up to ``wait`` seconds.
+
+    A daemon thread still running when the interpreter finalizes is stopped where it next takes the GIL;
+    inside a torch call that released it, that unwinds C++ code that may not be unwound, and the process
+    aborts ("terminate called without an active exception") after the program's own work is done."""
+    _stopping.set()
+    worker = _worker
+    if worker is None or not worker.is_alive() or worker is threading.current_thread():
+        return
+    _jobs.put(lambda: None)  # wakes an idle thread
+    worker.join(wait)
+
+
+def _at_exit(fn: Callable[[], None]) -> None:
+    """Run fn when the program ends, before the interpreter waits for its threads (as concurrent.futures
+    does), else with atexit."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError
+        register(fn)
+    except RuntimeError:  # pragma: no cover - another python, or already ending
+        import atexit
+
+        atexit.register(fn)
+
+
+_at_exit(stop)
 
 
 def _modules(backend: Any) -> tuple[str, ...]:
