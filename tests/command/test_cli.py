@@ -231,9 +231,9 @@ def test_show_prints_the_listing_with_the_position_steps_and_registers(tmp_path)
                              "written by flowvm ")
     assert out[1:] == [
         "# flowvm driver: step 77, next: path '0.0.0.0'",
-        "   SEQ:  # at 1 of 3",
+        "   SEQ:  # at child 0 of 3",
         "       REPEAT 2 (counter batch):  # 1 of 2 done",
-        "           SEQ:  # at 1 of 3",
+        "           SEQ:  # at child 0 of 3",
         "               x = BUFFER 50:  # 25 of 50 done",
         ">>                 GaussianStream.next()",
         "               components = StreamingPCA.analyze(x)",

@@ -115,7 +115,7 @@ def test_seq_position_follows_its_running_child():
     drv.run(max_steps=2)  # a, then the REPEAT's first iteration: the REPEAT is running
     drv.find(a).insert_after(CALL(hook, reg("log"), "inserted", 9))  # before the running REPEAT: not run now
     drv.find(a).remove()
-    assert str(drv).splitlines()[1:4] == ["   SEQ:  # at 2 of 3", "       hook(log, 'inserted', 9)",
+    assert str(drv).splitlines()[1:4] == ["   SEQ:  # at child 1 of 3", "       hook(log, 'inserted', 9)",
                                           "       REPEAT 3:  # 1 of 3 done"]
     drv.run()
     assert [t for t, _ in reg["log"]] == ["a", "r", "r", "r", "z"]

@@ -29,7 +29,7 @@ def test_the_listing_shows_the_fragment_under_its_spawn_and_the_cursor_on_a_runn
     drv = prog.start()
     drv.step()
     assert str(drv).splitlines()[1:] == [
-        "   SEQ:  # at 1 of 2",
+        "   SEQ:  # at child 0 of 2",
         ">>     SPAWN:",
         "           y = square(x)",
         "       rc = POPEN ['true']",

@@ -63,9 +63,9 @@ def test_driver_listing_with_paused_weave_child():
     drv.run(max_steps=4)
     assert str(drv) == golden("""
         # flowvm driver: step 4, next: path '1.1.1'
-           SEQ:  # at 2 of 2
+           SEQ:  # at child 1 of 2
                x = const(0)
-               WEAVE all of 2:  # 0 of 2 required finished, turn of 1
+               WEAVE all of 2:  # 0 of 2 required finished, turn of child 1
                    REPEAT 3:  # 1 of 3 done
         ..             SEQ:  # not started
                            x = inc(x)
@@ -114,3 +114,15 @@ def test_a_container_holding_itself_prints_and_long_ones_are_cut():
     assert fmt(loop) == "[1, 2, [...]]" and fmt({"me": loop}) == "{'me': [1, 2, [...]]}"
     big = list(range(100_000))
     assert fmt(big) == repr(big)[:37] + "..." and fmt({"k": big}, 20) == repr({"k": big})[:17] + "..."
+
+
+def test_numpy_ufuncs_and_dispatchers_are_named_as_users_call_them():
+    import numpy as np
+
+    from flowvm import CALL, SEQ, Registers
+    from flowvm.views.dot import to_mermaid
+
+    reg = Registers(x=0.5)
+    program = SEQ([CALL(np.clip, reg("x"), 0, 1, store_to=reg("y")), CALL(np.add, reg("y"), 2)])
+    assert str(program).splitlines()[1:] == ["    y = numpy.clip(x, 0, 1)", "    numpy.add(y, 2)"]
+    assert "numpy.clip(x, 0, 1)" in to_mermaid(program) and "Dispatcher" not in to_mermaid(program)

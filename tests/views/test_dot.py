@@ -75,7 +75,7 @@ def test_a_drivers_position_running_frames_and_paused_weave_children_are_highlig
     drv.run(max_steps=3)  # start, a, b: the next step runs a again; child 1 is paused before PRINT b
     states = frame_states(drv)
     assert states[(1, 0, 0)][0] == "next" and states[(1, 1, 0, 1)][0] == "resume"
-    assert states[(1,)] == ("running", "0 of 2 required finished, turn of 0")
+    assert states[(1,)] == ("running", "0 of 2 required finished, turn of child 0")
     assert states[(1, 1)][0] == "paused"
     nodes, data = nodes_of(graphviz(to_dot(drv)))
     assert nodes[node_id("1.0.0")]["fillcolor"] == "#ffd54f"

@@ -78,9 +78,9 @@ def comment(fr: list) -> str:
     if isinstance(el, WHILE):
         return f"{fr[WHILE_ITERATIONS]} iterations done" + (", testing condition" if fr[WHILE_PHASE] == 0 else "")
     if isinstance(el, SEQ):
-        return f"at {fr[SEQ_POS] + 1} of {len(el.elements)}"
+        return f"at child {fr[SEQ_POS]} of {len(el.elements)}"  # counted from 0, as paths are
     if isinstance(el, WEAVE):
-        return f"{fr[WEAVE_DONE]} of {el.required} required finished, turn of {fr[WEAVE_ACTIVE]}"
+        return f"{fr[WEAVE_DONE]} of {el.required} required finished, turn of child {fr[WEAVE_ACTIVE]}"
     return ""
 
 

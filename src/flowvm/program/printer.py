@@ -37,6 +37,10 @@ def fn_name(fn: Any) -> str:
             # a builtin kept in a hidden class of its module, such as torch.sin
             return f"{fn.__module__}.{fn.__name__}" if getattr(fn, "__module__", None) else fn.__name__
         return qual.rsplit("<locals>.", 1)[-1]
+    name = getattr(fn, "__name__", None)
+    if isinstance(name, str) and name.isidentifier():  # numpy's ufuncs and dispatchers: numpy.add, numpy.clip
+        module = getattr(fn, "__module__", None)
+        return f"{module}.{name}" if isinstance(module, str) and module else name
     return type(fn).__name__
 
 
