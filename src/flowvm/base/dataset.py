@@ -16,6 +16,8 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+import zipfile
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +92,7 @@ def open_file_array(path: str, size: int, digest: str, shape: tuple) -> FileArra
 
 
 def _map(path: Path, digest: str | None = None) -> FileArray:
-    raw = np.load(path, mmap_mode="r", allow_pickle=False)
+    raw = _load_numpy(path, ".npy file", mmap_mode="r")
     arr = raw.view(FileArray)
     arr._mmap = getattr(raw, "_mmap", None)  # keep the mapping alive with the view
     size = path.stat().st_size
@@ -153,48 +155,105 @@ def _labels(y: Any, n: int, source: str) -> np.ndarray:
 
 
 def _read_csv(path: Path, label: int | str | None, supervised: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    with open(path, newline="") as f:
-        rows = [r for r in csv.reader(f) if r and any(c.strip() for c in r)]
-    if not rows:
+    """The values of a CSV file (a header row allowed), read row by row into one array of floats: memory
+    stays at 8 bytes a value whatever the file holds (a field over csv's limit, a NUL byte or text that is
+    not UTF-8 is a DataError naming the line)."""
+    header, width, values = None, None, array("d")
+    reader = None
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(_lines(f, path))
+            for row in reader:
+                if not row or not any(c.strip() for c in row):
+                    continue
+                if width is None:
+                    width = len(row)
+                    if not _numeric(row):
+                        header = [c.strip() for c in row]
+                        continue
+                _append_row(values, row, width, header, path, reader.line_num)
+    except csv.Error as err:
+        raise DataError(f"{path}: line {reader.line_num if reader else 1} is not CSV ({err})") from None
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not a UTF-8 text file (byte {err.start}: {err.reason})") from None
+    if width is None:
         raise DataError(f"{path}: empty file")
-
-    def numeric(row):
-        try:
-            [float(c) for c in row]
-            return True
-        except ValueError:
-            return False
-
-    header = None if numeric(rows[0]) else [c.strip() for c in rows[0]]
-    body = rows[1:] if header is not None else rows
-    width = len(rows[0])
-    col = None
-    if label is not None or supervised:
-        if label is None:
-            col = width - 1
-        elif isinstance(label, str) and not label.lstrip("-").isdigit():
-            if header is None or label not in header:
-                raise DataError(f"{path}: no column named {label!r} (columns: {header or 'no header row'})")
-            col = header.index(label)
-        else:
-            col = int(label) % width
-    values = []
-    for k, row in enumerate(body):
-        line = k + (2 if header is not None else 1)
-        if len(row) != width:
-            raise DataError(f"{path}: line {line} has {len(row)} values, the first row {width}")
-        out = []
-        for j, cell in enumerate(row):
-            try:
-                out.append(float(cell))
-            except ValueError:
-                name = f"column {j}" + (f" ({header[j]!r})" if header else "")
-                raise DataError(f"{path}: line {line}, {name} holds {cell.strip()!r}, not a number") from None
-        values.append(out)
-    arr = np.array(values, dtype=np.float64)
+    col = _label_column(label, supervised, header, width, path)
+    arr = np.frombuffer(values, dtype=np.float64).reshape(-1, width).copy()
     if col is None:
         return arr, None
     return np.delete(arr, col, axis=1), arr[:, col]
+
+
+MAX_LINE = 16 << 20  # characters in a line of a CSV file, at most
+
+
+def _lines(f, path: Path):
+    """The lines of a text file, each read with a bound (a file with no line breaks is not read whole)."""
+    number = 0
+    while line := f.readline(MAX_LINE):
+        number += 1
+        if len(line) == MAX_LINE and not line.endswith("\n"):
+            raise DataError(f"{path}: line {number} is longer than {MAX_LINE} characters; not a CSV file of numbers")
+        yield line
+
+
+def _numeric(row: list) -> bool:
+    try:
+        [float(c) for c in row]
+        return True
+    except ValueError:
+        return False
+
+
+def _append_row(values: array, row: list, width: int, header: list | None, path: Path, line: int) -> None:
+    if len(row) != width:
+        raise DataError(f"{path}: line {line} has {len(row)} values, the first row {width}")
+    for j, cell in enumerate(row):
+        try:
+            values.append(float(cell))
+        except ValueError:
+            name = f"column {j}" + (f" ({header[j]!r})" if header else "")
+            raise DataError(f"{path}: line {line}, {name} holds {cell.strip()[:60]!r}, not a number") from None
+
+
+def _label_column(label: int | str | None, supervised: bool, header: list | None, width: int,
+                  path: Path) -> int | None:
+    if label is None and not supervised:
+        return None
+    if label is None:
+        return width - 1
+    if isinstance(label, str) and not label.lstrip("-").isdigit():
+        if header is None or label not in header:
+            raise DataError(f"{path}: no column named {label!r} (columns: {header or 'no header row'})")
+        return header.index(label)
+    return int(label) % width
+
+
+def _load_numpy(path: Path, what: str, **options) -> Any:
+    """np.load of a data file, its refusals as DataErrors: an array of Python objects (a pickle, never
+    loaded), a file numpy cannot read."""
+    try:
+        return np.load(path, allow_pickle=False, **options)
+    except ValueError as err:
+        if "pickle" in str(err) or "object" in str(err).lower():
+            raise DataError(f"{path}: {what} holds Python objects (a pickle), which flowvm never loads: save an "
+                            "array of numbers") from None
+        raise DataError(f"{path}: not a {what} numpy can read ({str(err)[:120]})") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as err:
+        raise DataError(f"{path}: not a {what} numpy can read ({str(err)[:120]})") from None
+
+
+def _member(z: Any, name: str, path: Path) -> np.ndarray:
+    try:
+        return z[name]
+    except ValueError as err:
+        if "pickle" in str(err) or "object" in str(err).lower():
+            raise DataError(f"{path}: the .npz file's {name!r} holds Python objects (a pickle), which flowvm never "
+                            "loads: save an array of numbers") from None
+        raise DataError(f"{path}: the .npz file's {name!r} cannot be read ({str(err)[:120]})") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as err:
+        raise DataError(f"{path}: the .npz file's {name!r} cannot be read ({str(err)[:120]})") from None
 
 
 def load_data(data: Any, *, supervised: bool = False, label: int | str | None = None,
@@ -215,11 +274,11 @@ def load_data(data: Any, *, supervised: bool = False, label: int | str | None = 
             x = _as_samples(_map(path), source)
             return Data(x, None, source)
         if suffix == ".npz":
-            with np.load(path, allow_pickle=False) as z:
+            with _load_numpy(path, ".npz file") as z:
                 if "x" not in z:
                     raise DataError(f"{source}: an .npz data file needs an array named 'x' (found {list(z.keys())})")
-                x = _as_samples(z["x"], f"{source} (x)")
-                y = _labels(z["y"], len(x), f"{source} (y)") if "y" in z else None
+                x = _as_samples(_member(z, "x", path), f"{source} (x)")
+                y = _labels(_member(z, "y", path), len(x), f"{source} (y)") if "y" in z else None
         elif suffix == ".csv":
             raw_x, raw_y = _read_csv(path, label, supervised)
             x = _as_samples(raw_x, source)

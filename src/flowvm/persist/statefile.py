@@ -170,8 +170,6 @@ def read_state(path: Any, key: bytes | None = None, verify: bool = True, keep: b
 
 
 def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: bool | int) -> Loaded:
-    from safetensors import safe_open
-
     try:
         size = os.path.getsize(name)
     except OSError:
@@ -179,13 +177,8 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
         raise CheckpointError(path, "cannot read the file") from None
     if size == 0:
         raise CheckpointError(path, "empty file, not a flowvm state checkpoint")
-    try:
-        with safe_open(name, framework="np") as f:
-            metadata = f.metadata() or {}
-            names = set(f.keys())
-    except Exception as err:
-        why = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise CheckpointError(path, f"truncated or corrupted: safetensors cannot read it ({why})") from None
+    metadata, entries = _safetensors_header(name, size, path)
+    names = set(entries)
     if "flowvm.format" not in metadata:
         raise CheckpointError(path, "not a flowvm state checkpoint (a safetensors file without flowvm's metadata)")
     fmt = metadata["flowvm.format"]
@@ -207,7 +200,7 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
         raise CheckpointError(path, "corrupted: the tensor table cannot be read") from None
     if set(table) != names:
         raise CheckpointError(path, "corrupted: the file's tensors are not those its tensor table lists")
-    tensors, views, hashed = _read_tensors(name, path, table, keep, piece_hash(checksum), size)
+    tensors, views, hashed = _read_tensors(name, path, table, entries, keep, piece_hash(checksum))
     found, mac = digests(metadata, table, views, key, hashed, checksum)
     if not hmac.compare_digest(found.hex(), metadata[checksum]):
         raise CheckpointError(path, "corrupted: checksum mismatch")
@@ -241,58 +234,52 @@ _ST_DTYPES = {"BOOL": ("|b1", "bool"), "U8": ("|u1", "uint8"), "I8": ("|i1", "in
 MAX_DIMS = 64
 
 
-def _read_tensors(name: str, path: Any, table: dict, keep: bool | int, one, size: int):
+def _read_tensors(name: str, path: Any, table: dict, entries: dict, keep: bool | int, one):
     """(tensors as restored or None, their byte views (without keep: their sizes), their pieces' hashes by one).
 
-    Each tensor's dtype and shape are read from the file's header (no data), checked against the table, and
-    its size against the file's; with keep, it is read piece by piece from the file into memory of its own
-    by worker threads (``preadv``: no page faults on a mapping of the file, and the new memory's first-touch
-    faults on every core), each piece hashed by the thread that read it.  Without keep, the pieces go
-    through one scratch buffer: memory stays bounded whatever the file declares."""
-    from safetensors import safe_open
-
+    Each tensor's dtype and shape, from the file's header, are checked against the table; with keep, it is
+    read piece by piece from the file into memory of its own by worker threads (``preadv``: no page faults on
+    a mapping of the file, and the new memory's first-touch faults on every core), each piece hashed by the
+    thread that read it.  Without keep, the pieces go through one scratch buffer: memory stays bounded
+    whatever the file declares."""
     torch_file = any(info["kind"] == "torch" for info in table.values())
     if torch_file and keep is not False:
         try:
-            import torch
+            import torch  # noqa: F401
         except ImportError:
             raise CheckpointError(path, "holds torch tensors: install torch to load it") from None
-    import numpy as np
 
-    out, views, futures, hashed, total = {}, {}, {}, {}, 0
+    out, views, futures, hashed = {}, {}, {}, {}
     with ThreadPoolExecutor(min(os.cpu_count() or 1, 16), thread_name_prefix="flowvm-state-read") as pool, \
-            safe_open(name, framework="np") as f, open(name, "rb", buffering=0) as raw:
-        base, offsets = _data_offsets(raw, size, path)
+            open(name, "rb", buffering=0) as raw:
         scratch = None if keep is True else memoryview(bytearray(PIECE))
         for tname in sorted(table):
             info = table[tname]
+            st_dtype, shape, begin, end = entries[tname]
             try:
-                piece = f.get_slice(tname)  # its dtype and shape from the header: no bytes read
-                dtype, shape = _ST_DTYPES.get(piece.get_dtype()), list(piece.get_shape())
                 expect = _stored(info, torch_file)
+                nbytes = _nbytes(info)
             except Exception as err:
-                raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} cannot be read "
-                                            f"({type(err).__name__}: {str(err)[:120]})") from None
+                raise CheckpointError(path, f"corrupted: tensor {tname!r:.80}'s entry in the tensor table cannot be "
+                                            f"read ({type(err).__name__}: {str(err)[:120]})") from None
+            dtype = _ST_DTYPES[st_dtype]
             by_torch = torch_file and (info["kind"] == "torch" or info.get("raw"))
-            got = (None if dtype is None else dtype[1] if by_torch else dtype[0], shape)
+            got = (dtype[1] if by_torch else dtype[0], shape)
             if got != expect:
                 raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} is {got}, its table says {expect}")
-            begin, end = offsets[tname]
-            nbytes = _nbytes(info)
-            total += nbytes
-            if end - begin != nbytes or total > size:
+            if end - begin != nbytes:
                 raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} has {end - begin} bytes in the "
                                             f"file, {nbytes} by its dtype and shape")
             if keep is True or keep is not False and nbytes <= keep:
                 own = _empty(info, torch_file)
                 view = _bytes_of(own)
-                futures[tname] = [pool.submit(_read_piece, raw, view[i: i + PIECE], base + begin + i, one)
+                futures[tname] = [pool.submit(_read_piece, raw, view[i: i + PIECE], begin + i, one)
                                   for i in range(0, len(view), PIECE)] or [pool.submit(one, view)]
                 out[tname] = own
                 views[tname] = view
             else:
                 try:
-                    hashed[tname] = [_read_piece(raw, scratch[: min(PIECE, nbytes - i)], base + begin + i, one)
+                    hashed[tname] = [_read_piece(raw, scratch[: min(PIECE, nbytes - i)], begin + i, one)
                                      for i in range(0, nbytes, PIECE)] or [one(b"")]
                 except EOFError:
                     raise CheckpointError(path, "truncated: the file ends inside a tensor's data") from None
@@ -304,6 +291,45 @@ def _read_tensors(name: str, path: Any, table: dict, keep: bool | int, one, size
     if keep is False:
         return None, views, hashed
     return {n: _final(own, table[n], torch_file) for n, own in out.items()}, views, hashed  # once read
+
+
+MAX_HEADER = 100_000_000  # bytes of a safetensors header, at most (safetensors' own limit)
+
+
+def _safetensors_header(name: str, size: int, path: Any) -> tuple[dict, dict]:
+    """(metadata, name -> (dtype, shape, begin, end) with the offsets from the file's start) of a safetensors
+    file of size bytes, each size checked against the file's before anything is allocated by it."""
+    bad = (lambda why: CheckpointError(path, f"truncated or corrupted: not a safetensors file flowvm reads ({why})"))
+    with open(name, "rb", buffering=0) as f:
+        first = f.read(8)
+        if len(first) < 8:
+            raise bad(f"{size} bytes")
+        (n,) = struct.unpack("<Q", first)
+        if n > min(size - 8, MAX_HEADER):
+            raise bad(f"a header of {n} bytes in a file of {size}")
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+        if type(header) is not dict:
+            raise ValueError("the header is not an object")
+        metadata = header.pop("__metadata__", None) or {}
+        if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()):
+            raise ValueError("its metadata is not an object of strings")
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise bad(str(err)[:120]) from None
+    entries, data = {}, 8 + n
+    for key, v in header.items():
+        try:
+            dtype, shape, (begin, end) = v["dtype"], v["shape"], v["data_offsets"]
+            if dtype not in _ST_DTYPES or type(shape) is not list or len(shape) > MAX_DIMS \
+                    or not all(type(d) is int and d >= 0 for d in shape):
+                raise ValueError("dtype or shape")
+            if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= size - data):
+                raise ValueError(f"its data [{begin}, {end}) lies outside the file")
+        except (TypeError, KeyError, ValueError) as err:
+            raise bad(f"tensor {key!r:.80}: {str(err)[:80]}") from None
+        entries[key] = (dtype, shape, data + begin, data + end)
+    return metadata, entries
 
 
 def _itemsize(info: dict) -> int:
@@ -355,25 +381,6 @@ def _read_piece(raw, view: memoryview, offset: int, one) -> bytes:
 
 _preadv = getattr(os, "preadv", None)
 _seeking = threading.Lock()
-
-
-def _data_offsets(raw, size: int, path: Any) -> tuple[int, dict]:
-    """(where the data starts, name -> [begin, end] within it) from a safetensors file's header, each checked
-    against the file's size."""
-    raw.seek(0)
-    (n,) = struct.unpack("<Q", raw.read(8))
-    if n > size - 8:
-        raise CheckpointError(path, "truncated or corrupted: the safetensors header does not fit in the file")
-    header = json.loads(raw.read(n))
-    offsets = {}
-    for k, v in header.items():
-        if k == "__metadata__":
-            continue
-        begin, end = v["data_offsets"]
-        if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= size - 8 - n):
-            raise CheckpointError(path, f"corrupted: tensor {k!r:.80} lies outside the file")
-        offsets[k] = (begin, end)
-    return 8 + n, offsets
 
 
 def _stored(info: dict, torch_file: bool) -> tuple:
