@@ -32,6 +32,10 @@ def test_the_built_in_passes_are_listed_in_pipeline_order_with_descriptions():
     assert names[:3] == ["flatten", "batch-buffers", "fuse-torch"]
     assert DEFAULT_PIPELINE[:3] == ["flatten", "batch-buffers", "fuse-torch"]
     assert all(p.description for p in list_passes())
+    # each description is a whole sentence, the first paragraph of the pass's docstring on one line
+    assert all(p.description.endswith(".") and "\n" not in p.description for p in list_passes())
+    assert get_pass("batch-buffers").description.endswith("(not inside a WEAVE, whose turns count the BUFFER's n "
+                                                          "steps).")
     assert get_pass("flatten").run is flatten
 
 

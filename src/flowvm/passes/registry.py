@@ -78,6 +78,11 @@ def current_context() -> PassContext | None:
 _REGISTRY: dict[str, Pass] = {}
 
 
+def summary(fn: Callable) -> str:
+    """A pass's description from its docstring: the first paragraph, on one line."""
+    return " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
+
+
 def register_pass(name: str, fn: Callable[..., Element] | None = None, *, description: str | None = None,
                   default: bool = False, replace: bool = False):
     """Register fn under name (usable as a decorator); returns fn.
@@ -93,7 +98,7 @@ def register_pass(name: str, fn: Callable[..., Element] | None = None, *, descri
             raise TypeError(f"pass {name!r}: expected a function program -> program, got {type(f).__name__}")
         if name in _REGISTRY and not replace:
             raise ValueError(f"a pass named {name!r} is already registered (pass replace=True to override)")
-        doc = description if description is not None else (inspect.getdoc(f) or "").split("\n")[0]
+        doc = description if description is not None else summary(f)
         _REGISTRY[name] = Pass(name, f, doc, default)
         if default and name not in DEFAULT_PIPELINE:
             DEFAULT_PIPELINE.append(name)
@@ -140,7 +145,7 @@ def _resolve(spec: Any) -> tuple[Pass, dict]:
         return spec, options
     if callable(spec):
         name = getattr(spec, "__name__", type(spec).__name__)
-        return Pass(name, spec, (inspect.getdoc(spec) or "").split("\n")[0]), options
+        return Pass(name, spec, summary(spec)), options
     raise TypeError(f"optimize: a pass must be a registered name, a Pass, a function program -> program or "
                     f"(pass, options), got {type(spec).__name__} {spec!r:.60}")
 
