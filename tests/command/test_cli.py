@@ -435,3 +435,13 @@ def test_a_signed_pause_says_the_key_is_needed_and_a_moved_program_is_reported(t
     out = flowvm_cmd("resume", ckpt, "--progress", "none")
     assert "flowvm: warning: cannot load the run's program (no such program file" in out.stderr
     assert "finished after 50 steps" in out.stdout and "the report" not in out.stdout
+
+
+def test_version_and_the_help_of_targets_and_options():
+    assert flowvm_cmd("--version").stdout.strip() == f"flowvm {flowvm.__version__}"
+    for command in ("run", "verify", "sweep"):
+        text = " ".join(flowvm_cmd(command, "--help").stdout.split())
+        assert "a .py file" in text and "NAME=VALUE with VALUE a Python literal" in text \
+            or command == "sweep" and "VALUE a Python literal" in text, text
+    assert "a bundled program's name (flowvm list), a module name (mypkg.train) or a .py file" in \
+        " ".join(flowvm_cmd("verify", "--help").stdout.split())

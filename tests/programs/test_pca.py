@@ -86,3 +86,12 @@ def test_checkpoint_in_fresh_process_via_cli(tmp_path):
     assert resumed.done and resumed.steps == straight.steps
     assert np.array_equal(resumed.registers["components"], straight.registers["components"])
     assert np.array_equal(resumed.registers["x"], straight.registers["x"])
+
+
+def test_the_report_counts_in_words_that_agree_with_the_numbers():
+    from flowvm.programs import pca as program
+
+    drv = program.build(batches=1, samples=20, dim=4, components=1).start()
+    drv.run()
+    head = program.report(drv.registers).splitlines()[0]
+    assert head == "1 principal component of 4-dimensional data (1 batch of 20 samples)", head

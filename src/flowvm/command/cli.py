@@ -132,8 +132,16 @@ def cmd_list(args) -> int:
     return 0
 
 
+TARGET_HELP = "the program: a bundled program's name (flowvm list), a module name (mypkg.train) or a .py file"
+SET_HELP = ("a build() option, NAME=VALUE with VALUE a Python literal (--set epochs=5 --set optimizer=sgd); "
+            "repeatable")
+
+
 def parser() -> argparse.ArgumentParser:
+    from ..base.version import __version__
+
     p = argparse.ArgumentParser(prog="flowvm", description="Run learning algorithms written as flowvm programs.")
+    p.add_argument("--version", action="version", version=f"flowvm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def running(sp):
@@ -160,8 +168,8 @@ def parser() -> argparse.ArgumentParser:
                              "on resume: what the run was saved with)")
 
     run = sub.add_parser("run", help="run a program")
-    run.add_argument("target", help="bundled program name, module name or .py file")
-    run.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a build() option")
+    run.add_argument("target", help=TARGET_HELP)
+    run.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=SET_HELP)
     run.add_argument("--data", metavar="PATH", help="the program's data: a .npy, .npz or .csv file (build(data=...))")
     run.add_argument("--force", action="store_true",
                      help="start over even if --checkpoint holds an unfinished run (which is replaced)")
@@ -189,19 +197,20 @@ def parser() -> argparse.ArgumentParser:
                            "chooses: only for files from a source you trust)")
     show.set_defaults(func=cmd_show)
 
-    verify = sub.add_parser("verify", help="check a program")
-    verify.add_argument("target")
-    verify.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    verify = sub.add_parser("verify", help="check a program without running it, and print it")
+    verify.add_argument("target", help=TARGET_HELP)
+    verify.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=SET_HELP)
     verify.set_defaults(func=cmd_verify)
 
     sweep = sub.add_parser("sweep", help="random search over a program's options, trials in parallel")
-    sweep.add_argument("target", help="bundled program name or module name")
+    sweep.add_argument("target", help=TARGET_HELP)
     sweep.add_argument("--trials", type=int, default=8, help="configurations to try (default 8)")
     sweep.add_argument("--space", action="append", default=[], metavar="NAME=KIND:ARGS", required=True,
                        help="a searched option: loguniform:LOW:HIGH, uniform:LOW:HIGH, int:LOW:HIGH or choice:A,B")
     sweep.add_argument("--metric", default="accuracy", help="the register trials are ranked by (default accuracy)")
     sweep.add_argument("--minimize", action="store_true", help="the lowest metric wins (default: the highest)")
-    sweep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a fixed build() option")
+    sweep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                       help="a build() option every trial gets (NAME=VALUE, VALUE a Python literal); repeatable")
     sweep.add_argument("--data", metavar="PATH", help="the program's data (a fixed data= option)")
     sweep.add_argument("--executor", metavar="dask|ADDRESS",
                        help="dask: run the trials on a Dask cluster on this machine; tcp://HOST:PORT: on the "

@@ -28,6 +28,17 @@ def check_options(program: str, counts: dict | None = None, positive: dict | Non
             raise ValueError(f"{program}: {name} must be > 0, got {value}")
 
 
+def plural(n: int, word: str) -> str:
+    """``1 batch``, ``2 batches``, ``1 sample``, ``3 samples``: a count and the word it counts.
+
+    >>> plural(1, "batch"), plural(2, "batch"), plural(0, "sample")
+    ('1 batch', '2 batches', '0 samples')
+    """
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word}es" if word.endswith(("s", "x", "ch", "sh")) else f"{n} {word}s"
+
+
 class Rows:
     """The rows of an array in batches of ``size``, one pass (the last batch may be smaller); its position
     is one int (plain data), so a run resumes at the batch it stopped at."""

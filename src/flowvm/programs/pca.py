@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from flowvm import BUFFER, CALL, REPEAT, SEQ, Registers, load_data
-from flowvm.programs import Rows
+from flowvm.programs import Rows, plural
 
 SHOW = ["batch", "explained"]
 
@@ -176,8 +176,8 @@ def model(registers) -> PCAModel:
 
 def report(registers) -> str:
     comps = registers["components"]
-    lines = [f"{len(comps)} principal components of {registers['x'].shape[1]}-dimensional data "
-             f"({registers['batch']} batches of {registers['x'].shape[0]} samples)",
+    lines = [f"{plural(len(comps), 'principal component')} of {registers['x'].shape[1]}-dimensional data "
+             f"({plural(registers['batch'], 'batch')} of {plural(registers['x'].shape[0], 'sample')})",
              f"explained variance ratio: {registers['explained']}"]
     lines += [f"  pc{i + 1}: " + " ".join(f"{v:+.3f}" for v in c) for i, c in enumerate(comps)]
     return "\n".join(lines)
