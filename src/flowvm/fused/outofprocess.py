@@ -19,35 +19,39 @@ before.  ``FuseSettings.compile_in = "thread"`` keeps every compile on the threa
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
+import time
 from typing import Any, Callable
 
-from . import checks
+from . import checks, resources
 from .checks import aoti_available, holds_state, plain_graph, plain_tensor, settings, torch_function
+from .compiler import _at_exit
 
 TIMEOUT = 900.0           # seconds; a compile running longer is stopped (and the step compiles on the thread)
+EXIT_WAIT = 5.0           # seconds the program's end waits for the compiles' threads once their children are stopped
 PACKAGE = "step.pt2"
+JOB = "job.pkl"
+RETRY = 4                 # the child's exit status when it was short of resources (tried again later)
 _children: set[subprocess.Popen] = set()
 _children_lock = threading.Lock()
 _workdirs: set[str] = set()
-# compiles running at once: each takes a core and about 1 GB; the program keeps at least one core
-_slots = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) - 1))
+_compiles: set["Compile"] = set()   # under way (their threads), for the program's end
+_stopping = threading.Event()       # the program is ending: no compile starts
 
 
 def _forget_after_fork() -> None:
     """A forked child owns none of its parent's compiles."""
-    global _children_lock, _slots
+    global _children_lock, _stopping
     _children_lock = threading.Lock()
-    _slots = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) - 1))
+    _stopping = threading.Event()
     _children.clear()
     _workdirs.clear()
+    _compiles.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -99,80 +103,150 @@ def load_plain(workdir: str) -> Callable:
 CHILD = "import sys; from flowvm.fused.outofprocess import main; sys.exit(main(sys.argv[1:]))"
 
 
+class Busy(Exception):
+    """No thread could be started for a compile now (the machine is short of resources): try again later."""
+
+
 class Compile:
     """One out-of-process compile of a job (``job_payload``, ``stateful.payload``) under way.  ``on_done(run,
     error)`` is called on a waiter thread with what ``load(workdir)`` made of the child's files, or with the
-    reason it failed."""
+    reason it failed.  With a cache key, the files go to the cache (flowvm/fused/cache.py) once they load.
 
-    def __init__(self, payload: bytes, load: Callable[[str], Any], on_done: Callable[[Any, str | None], None]):
+    The child starts once a machine-wide slot is free (flowvm/fused/resources.py).  A child or a start short
+    of resources (no thread, process or memory left) is tried again later, up to ``resources.MAX_TRIES``
+    times; ``tries`` counts them.  Raises Busy when no waiter thread can start."""
+
+    def __init__(self, payload: bytes, load: Callable[[str], Any], on_done: Callable[[Any, str | None], None],
+                 key: str | None = None):
         self.payload = payload
         self.load = load
         self.on_done = on_done
+        self.key = key
+        self.tries = 0
         self.proc: subprocess.Popen | None = None
         self.thread = threading.Thread(target=self._run, name="flowvm-aot", daemon=True)
-        self.thread.start()
+        with _children_lock:
+            _compiles.add(self)
+        try:
+            self.thread.start()
+        except RuntimeError as err:  # can't start new thread
+            with _children_lock:
+                _compiles.discard(self)
+            raise Busy(str(err)) from err
 
     def _run(self) -> None:
-        run, error, workdir = None, "the compile process did not start", None
+        run, error = None, "the compile process did not start"
         try:
-            workdir = tempfile.mkdtemp(prefix="flowvm-aot-")
-            _workdirs.add(workdir)
-            with open(os.path.join(workdir, "job.pkl"), "wb") as f:
-                f.write(self.payload)
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] +
-                                                [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-            with _slots:
-                with _children_lock:
-                    self.proc = subprocess.Popen([sys.executable, "-c", CHILD, workdir],
-                                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                 stderr=subprocess.PIPE, env=env)
-                    _children.add(self.proc)
+            resources.sweep()  # the files of programs killed while they compiled
+            while True:
+                self.tries += 1
                 try:
-                    out, err = self.proc.communicate(timeout=TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    out, err = self.proc.communicate()
-                    err += f"\ngave up after {TIMEOUT:g} s".encode()
-                finally:
-                    with _children_lock:
-                        _children.discard(self.proc)
-            if self.proc.returncode == 0:
-                run, error = self.load(workdir), None
-            else:
-                lines = out.decode(errors="replace").strip().splitlines()
-                reason = json.loads(lines[-1]).get("refused") if lines and lines[-1].startswith("{") else None
-                tail = err.decode(errors="replace").strip().splitlines()
-                error = reason or (tail[-1] if tail else f"exit status {self.proc.returncode}")
+                    run, error, again = self._attempt()
+                except resources.Stopped:
+                    run, error, again = None, "the program ended", False
+                except Exception as exc:
+                    if not resources.resource_error(exc):
+                        raise
+                    run, error, again = None, f"{type(exc).__name__}: {exc}", True
+                if not again:
+                    break
+                if self.tries >= resources.MAX_TRIES:
+                    error = f"short of resources {self.tries} times ({error})"
+                    break
+                if _stopping.wait(resources.backoff(self.tries)):
+                    error = "the program ended"
+                    break
         except BaseException as exc:  # noqa: B036 - anything at all: the step must not stay "compiling"
             run, error = None, f"{type(exc).__name__}: {exc}"
         finally:
-            if workdir is not None:
+            try:
+                self.on_done(run, error)
+            finally:
+                with _children_lock:
+                    _compiles.discard(self)
+
+    def _attempt(self) -> tuple[Any, str | None, bool]:
+        """One try: (what load made of the package, why there is none, whether to try again later)."""
+        with resources.slot(_stopping.is_set) as fd:
+            workdir = resources.workdir()
+            _workdirs.add(workdir)
+            try:
+                with open(os.path.join(workdir, JOB), "wb") as f:
+                    f.write(self.payload)
+                out, err, code, timed_out = self._child(workdir, fd)
+                if code == 0:
+                    run = self.load(workdir)
+                    if self.key is not None:
+                        from . import cache
+
+                        cache.store(self.key, workdir, sorted(n for n in os.listdir(workdir) if n != JOB))
+                    return run, None, False
+            finally:
                 shutil.rmtree(workdir, ignore_errors=True)
                 _workdirs.discard(workdir)
-            self.on_done(run, error)
+        lines = out.decode(errors="replace").strip().splitlines()
+        said = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+        if "retry" in said:
+            return None, said["retry"], True
+        if code == -9 and not timed_out and not _stopping.is_set():  # killed from outside: out of memory?
+            return None, "the compile process was killed (out of memory?)", True
+        tail = err.decode(errors="replace").strip().splitlines()
+        return None, said.get("refused") or (tail[-1] if tail else f"exit status {code}"), False
+
+    def _child(self, workdir: str, fd: int | None) -> tuple[bytes, bytes, int, bool]:
+        """Run the child on workdir, holding the slot's lock with it: (stdout, stderr, exit status, timed out)."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] +
+                                            [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        with _children_lock:
+            if _stopping.is_set():
+                raise resources.Stopped()
+            self.proc = subprocess.Popen([sys.executable, "-c", CHILD, workdir], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                         pass_fds=() if fd is None else (fd,))
+            _children.add(self.proc)
+        timed_out = False
+        try:
+            out, err = self.proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            err += f"\ngave up after {TIMEOUT:g} s".encode()
+        finally:
+            with _children_lock:
+                _children.discard(self.proc)
+        return out, err, self.proc.returncode, timed_out
 
 
-@atexit.register
-def _stop_children() -> None:
-    """A program that ends leaves no compile running, and none of their files."""
+def stop(wait: float = EXIT_WAIT) -> None:
+    """The program ends: no compile starts, those running are stopped and their threads waited for (a
+    thread loading a package when the interpreter finalizes could abort the process, see
+    ``compiler.stop``), and their files removed."""
+    _stopping.set()
     with _children_lock:
-        for proc in list(_children):
-            try:
-                proc.kill()
-                proc.wait(5)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
+        procs, compiles = list(_children), list(_compiles)
+    for proc in procs:
+        try:
+            proc.kill()
+            proc.wait(5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    deadline = time.monotonic() + wait
+    for c in compiles:
+        if c.thread is not threading.current_thread() and c.thread.ident is not None:
+            c.thread.join(max(0.0, deadline - time.monotonic()))
     for workdir in list(_workdirs):
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+_at_exit(stop)
 
 
 def _exit_with_parent() -> None:
     parent = os.getppid()
 
     def watch() -> None:
-        import time
-
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(1)
@@ -181,18 +255,27 @@ def _exit_with_parent() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """The child: compile the job in directory argv[0] into an AOTInductor package there."""
+    """The child: compile the job in directory argv[0] into an AOTInductor package there, at the lowest CPU
+    priority (the program comes first, also when it uses every core).  Exit status 0: done; 3: refused
+    (the reason on stdout); RETRY: short of resources (threads, processes, memory), to be tried later."""
     workdir = argv[0]
     _exit_with_parent()
+    resources.lowest_priority()
     try:
-        os.nice(10)  # the program comes first, also when it uses every core
-    except (AttributeError, OSError):
-        pass
+        return _compile(workdir)
+    except Exception as exc:
+        if not resources.resource_error(exc):
+            raise
+        print(json.dumps({"retry": f"{type(exc).__name__}: {exc}"[:500]}), flush=True)
+        return RETRY
+
+
+def _compile(workdir: str) -> int:
     import pickle
 
     import torch
 
-    with open(os.path.join(workdir, "job.pkl"), "rb") as f:
+    with open(os.path.join(workdir, JOB), "rb") as f:
         job = pickle.load(f)
     torch.set_num_threads(job["threads"])
     torch.set_default_dtype(job["default_dtype"])
