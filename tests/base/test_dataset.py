@@ -101,3 +101,33 @@ def test_a_memory_mapped_npy_pickles_as_a_checked_reference_to_its_file(tmp_path
     np.save(path, changed)
     with pytest.raises(flowvm.CheckpointError, match="the data file changed since the run was saved"):
         flowvm.load(tmp_path / "run.ckpt")
+
+
+# ------------------------------------------------------------------ files from anyone
+def test_pickled_data_files_are_data_errors_that_do_not_suggest_unpickling(tmp_path):
+    npy = tmp_path / "objects.npy"
+    np.save(npy, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    npz = tmp_path / "objects.npz"
+    np.savez(npz, x=np.array([[1.0, 2.0]]), y=np.array([object()], dtype=object))
+    for path in (npy, npz):
+        with pytest.raises(DataError, match="holds Python objects") as err:
+            load_data(path)
+        assert "allow_pickle" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_a_csv_of_nul_bytes_is_a_data_error_in_bounded_memory(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bounded import bounded
+
+    path = tmp_path / "nul.csv"
+    with open(path, "wb") as f:
+        f.truncate(256 << 20)  # 256 MiB of NUL bytes, no line break
+    got = bounded(lambda: load_data(path), extra_mb=128)
+    assert got[:2] == ("raised", "DataError") and str(path) in got[2], got
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(b"1,2\n\xff\xfe,3\n")
+    with pytest.raises(DataError, match="not a UTF-8 text file"):
+        load_data(binary)

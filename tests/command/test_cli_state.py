@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -119,3 +120,98 @@ def test_signed_state_checkpoints(tmp_path):
     assert out.returncode == 2 and "signature does not match" in out.stderr
     flowvm_cmd("resume", ckpt, "--key", "k1", "--progress", "none")
     assert flowvm.persist.state.read_state_header(ckpt, key="k1")["done"]
+
+
+# ------------------------------------------------------------------ files from anyone
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bounded
+
+
+def test_show_of_an_unsigned_pickle_imports_and_unpickles_nothing(tmp_path):
+    import crafted
+
+    trap = tmp_path / "trap.py"
+    marker = tmp_path / "ran"
+    trap.write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef build():\n    pass\n")
+    ckpt = crafted.saved_checkpoint(tmp_path / "run.ckpt", meta={"target": str(trap), "sets": []})
+    out = flowvm_cmd("show", ckpt)
+    assert not marker.exists(), "show imported the module the file names"
+    assert "registers: not shown" in out.stdout and "--trust" in out.stdout
+    assert "loading it imports and calls: " in out.stdout and "crafted.Walker" in out.stdout
+    flowvm_cmd("show", ckpt, "--trust", check=False)  # asked for: the module the file names is imported
+    assert marker.exists()
+
+
+def test_show_prints_a_files_control_characters_escaped(tmp_path):
+    import crafted
+
+    good = crafted.saved_state(tmp_path / "good.safetensors")
+
+    def names(registers):
+        registers[0][0] = "\x1b]0;owned\x07\x1b[2J"
+
+    def listing(program):
+        program["listing"][0][2] = "REPEAT \x1b[31mred\u202e"
+
+    bad = crafted.edit_state(good, tmp_path / "a.safetensors", "registers", names)
+    bad = crafted.edit_state(bad, tmp_path / "b.safetensors", "program", listing)
+    out = flowvm_cmd("show", bad).stdout
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    assert "\\x1b]0;owned\\x07\\x1b[2J" in out and "REPEAT \\x1b[31mred\\u202e" in out
+
+
+def test_a_malformed_header_is_one_line_and_exit_2(tmp_path):
+    import crafted
+
+    ckpt = crafted.saved_checkpoint(tmp_path / "run.ckpt")
+    ckpt.write_bytes(crafted.reheader(ckpt.read_bytes(), lambda h: dict(h, meta=[1])))
+    for command in (("show", ckpt), ("plot", ckpt), ("resume", ckpt, "--progress", "none")):
+        out = flowvm_cmd(*command, check=False)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert "the header's field 'meta' must be an object" in out.stderr
+
+
+def _full_disk(limit):
+    import resource
+    import signal
+
+    def start():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return start
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["run.ckpt", "run.safetensors"])
+def test_a_full_disk_is_one_line_exit_2_and_keeps_the_previous_checkpoint(tmp_path, name):
+    import subprocess
+
+    from toy import COMMAND
+
+    ckpt = tmp_path / name
+    flowvm_cmd("run", "pca", *SETS, "--checkpoint", ckpt, "--max-steps", 10, "--progress", "none")
+    before = ckpt.read_bytes()
+    out = subprocess.run(COMMAND + ["resume", str(ckpt), "--every", "5", "--progress", "none"],
+                         capture_output=True, text=True, preexec_fn=_full_disk(len(before) // 2), timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot save: " in lines[0] and "File too large" in lines[0], out.stderr
+    assert "keeps the run as saved at step 10" in lines[0]
+    assert ckpt.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no temporary, no lock left
+
+
+def test_a_second_run_on_a_checkpoint_in_use_is_refused_naming_the_first(tmp_path, capsys):
+    import os
+
+    from flowvm.command import cli
+    from flowvm.persist.lock import holding
+
+    ckpt = tmp_path / "run.safetensors"
+    with holding(ckpt):  # the first run (another process holds the lock the same way)
+        status = cli.main(["run", "pca", *SETS, "--checkpoint", str(ckpt), "--progress", "none"])
+    assert status == 2
+    assert f"in use: process {os.getpid()} on " in capsys.readouterr().err
+    assert not ckpt.exists()
+    assert cli.main(["run", "pca", *SETS, "--checkpoint", str(ckpt), "--progress", "none"]) == 0

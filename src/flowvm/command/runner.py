@@ -109,8 +109,8 @@ class Runner:
             try:
                 self.write()
             except CheckpointError as err:  # a full disk, a quota, ...: the last checkpoint stays as it is
-                failed = CheckpointError(self.ckpt, f"{err.reason}; it keeps the run as saved at step "
-                                                    f"{self.saved_step}")
+                reason = err.reason.removesuffix("; the file there is as it was")
+                failed = CheckpointError(self.ckpt, f"{reason}; it keeps the run as saved at step {self.saved_step}")
                 failed.save_failed = True
                 raise failed from err
             self.saved_step, self.saved_time = self.drv.steps, time.monotonic()
