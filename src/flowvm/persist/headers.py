@@ -61,8 +61,11 @@ def _check_history(history: Any, path) -> None:
         names, points = history["names"], history["points"]
         if type(names) is not list or len(names) > MAX_HISTORY_NAMES or not all(type(n) is str for n in names):
             raise ValueError(f"names: a list of at most {MAX_HISTORY_NAMES} strings")
-        if type(points) is not dict or not set(points) <= set(names):
-            raise ValueError("points: an object of the names' points")
+        if type(points) is not dict or set(points) != set(names):
+            raise ValueError("points: an object of each name's points")
+        every = history.get("every", 1)
+        if type(every) is not int or not 1 <= every < 1 << 62 or type(history.get("auto", True)) is not bool:
+            raise ValueError("every: an int >= 1, auto: true or false")
         for name, rows in points.items():
             if type(rows) is not list or not all(
                     type(p) is list and len(p) == 2 and type(p[0]) is int and (
