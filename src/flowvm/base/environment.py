@@ -13,7 +13,8 @@ torch's CPU generator (``torch.manual_seed``) and, when CUDA is initialized, eve
 Settings (only those of libraries the process has imported), by name:
 
 =================================  ===========================================================
-``torch.threads``                  ``torch.get_num_threads()`` (intra-op threads)
+``torch.threads``                  ``torch.get_num_threads()`` (intra-op threads; set at most to the
+                                   cores this process may use)
 ``torch.deterministic``            ``torch.are_deterministic_algorithms_enabled()``
 ``torch.deterministic_warn_only``  ``torch.is_deterministic_algorithms_warn_only_enabled()``
 ``torch.float32_matmul_precision`` ``torch.get_float32_matmul_precision()``
