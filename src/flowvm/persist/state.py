@@ -55,7 +55,7 @@ from .statefile import FORMAT, MAC, checksum_name, digests, read_state, views_of
 from .stateframes import LARGEST, check_frame
 from .stateobjects import check_program_objects, encode_object, restore_object, roots
 from .statedecoder import Decoder
-from .stateshow import SavedArray, SavedObject, malformed, pairs as _pairs, show_state
+from .stateshow import SavedArray, SavedObject, malformed, pairs as _pairs, show_state  # noqa: F401  (flowvm.persist.state.SavedObject, show_state)
 from .statevalues import Encoder, Refused
 
 __all__ = ["save_state", "load_state", "read_state_header", "show_state", "read_state", "collect", "compare",
