@@ -17,8 +17,6 @@ serves exactly the batch it would have served next, without re-reading or
 skipping samples, whatever happens to the global random states meanwhile.
 
 >>> import numpy as np
-
-from ..pickled import stable
 >>> data = Batches(np.arange(10), batch_size=4, seed=0)
 >>> len(data), data.epoch, data.position
 (3, 0, 0)
@@ -38,112 +36,118 @@ from __future__ import annotations
 
 import numbers
 import sys
+import weakref
 from typing import Any, Callable
 
 import numpy as np
 
 from ..pickled import stable
+from .batching import BatchMaker, is_array as _is_array, length as _length, sample_rng, stack_items
+from .sources import NpyShards, is_shard_list
+from .workers import WorkerError, WorkerPool
 
-__all__ = ["Batches"]
-
-
-def _is_array(obj: Any) -> bool:
-    if isinstance(obj, np.ndarray):
-        return True
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
+__all__ = ["Batches", "WorkerError", "sample_rng", "stack_items"]
 
 
-def _length(arr: Any, what: str) -> int:
-    shape = getattr(arr, "shape", ())
-    if len(shape) == 0:
-        raise ValueError(f"Batches: {what} is a 0-dimensional {type(arr).__name__}; it needs a first "
-                         "(sample) dimension")
-    return int(shape[0])
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"Batches: {name} must be an int, got {type(value).__name__} {value!r:.40}")
+    if value < low:
+        raise ValueError(f"Batches: {name} must be >= {low}, got {value}")
+    return int(value)
 
 
-def _take(arr: Any, idx: np.ndarray) -> Any:
-    if isinstance(arr, np.ndarray):
-        return arr[idx]
-    import torch
-
-    return arr[torch.from_numpy(idx).to(arr.device)]
-
-
-def stack_items(items: list) -> Any:
-    """Default collation for dataset items: stack arrays/tensors/numbers, recursing into tuples (named ones
-    too), lists and dicts.
-
-    >>> stack_items([(np.zeros(2), 1), (np.ones(2), 0)])
-    (array([[0., 0.],
-           [1., 1.]]), array([1, 0]))
-    """
-    first = items[0]
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(first, torch.Tensor):
-        return torch.stack(items)
-    if isinstance(first, (np.ndarray, np.generic, numbers.Number)):
-        return np.stack([np.asarray(item) for item in items])
-    if isinstance(first, tuple):
-        fields = [stack_items(list(group)) for group in zip(*items)]
-        return type(first)(*fields) if hasattr(first, "_fields") else tuple(fields)  # a namedtuple stays one
-    if isinstance(first, list):
-        return [stack_items(list(group)) for group in zip(*items)]
-    if isinstance(first, dict):
-        return {key: stack_items([item[key] for item in items]) for key in first}
-    return list(items)
+def _ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size): as given, else torch.distributed's when it is initialised, else (0, 1)."""
+    if rank is None and world_size is None:
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    if rank is None or world_size is None:
+        raise ValueError("Batches: give both rank and world_size, or neither")
+    rank, world_size = _check_int("rank", rank, 0), _check_int("world_size", world_size, 1)
+    if rank >= world_size:
+        raise ValueError(f"Batches: rank {rank} is outside 0..{world_size - 1} (world_size={world_size})")
+    return rank, world_size
 
 
 @stable("flowvm")
 class Batches:
-    """Minibatches over arrays, tensors or a dataset, shuffled per epoch; the position is plain data.
+    """Minibatches over arrays, tensors, .npy shards or a dataset, shuffled per epoch; the position is plain
+    data.
 
     ``source`` is an array or tensor (batches are arrays or tensors), a tuple
-    of them (batches are tuples), a dict of them (batches are dicts), or a
-    map-style dataset such as a list of samples (batches are its items,
-    collated by ``collate``: ``torch.utils.data.default_collate`` when torch
-    is imported and the source is a ``torch.utils.data.Dataset``, else
-    ``stack_items``).
+    of them (batches are tuples), a dict of them (batches are dicts), .npy
+    files (a path, a glob, an fsspec URL or a list of them: memory-mapped
+    shards, joined), or a map-style dataset such as a list of samples (batches
+    are its items, collated by ``collate``: ``torch.utils.data.default_collate``
+    when the source is a ``torch.utils.data.Dataset``, else ``stack_items``).
 
-    ``next_batch()`` returns the next batch and moves on; after the last batch
-    of an epoch ``epoch`` goes up by one and ``position`` is back at 0.  The
-    last batch of an epoch is smaller when ``batch_size`` does not divide the
-    number of samples, unless ``drop_last`` is set.
+    ``transform(sample, rng)``, if given, maps each sample before collation;
+    ``rng`` is a numpy Generator seeded with ``(seed, epoch, index)``.
 
-    The source is pickled with the object (a checkpoint is self-contained).
-    For data too big for that, pass a dataset object whose pickled form is a
-    reference (a file name it reopens on loading).
+    ``workers=N`` makes batches ahead in N worker processes, ``prefetch`` batches
+    per worker in flight, served in exactly the order ``workers=0`` serves
+    them.  Batches in flight are a cache: the state stays three integers.
+
+    ``rank`` and ``world_size`` (default: torch.distributed's when initialised)
+    shard each epoch's order: rank r takes every world_size-th sample from r.
     """
 
+    transform = None  # defaults of the options later versions added (objects pickled before them)
+    workers = 0
+    prefetch = 2
+    start_method = None
+    rank = 0
+    world_size = 1
+
     def __init__(self, source: Any, batch_size: int = 32, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, collate: Callable[[list], Any] | None = None):
-        for name, value in (("batch_size", batch_size), ("seed", seed)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"Batches: {name} must be an int, got {type(value).__name__} {value!r:.40}")
-        if batch_size < 1:
-            raise ValueError(f"Batches: batch_size must be >= 1, got {batch_size}")
-        if seed < 0:
-            raise ValueError(f"Batches: seed must be >= 0 (numpy seeds are non-negative), got {seed}")
+                 drop_last: bool = False, collate: Callable[[list], Any] | None = None, *,
+                 transform: Callable[[Any, np.random.Generator], Any] | None = None, workers: int = 0,
+                 prefetch: int = 2, start_method: str | None = None, rank: int | None = None,
+                 world_size: int | None = None):
+        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.seed = _check_int("seed", seed, 0)
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
             if not isinstance(value, (bool, numbers.Integral)):
                 raise TypeError(f"Batches: {name} must be True or False, got {type(value).__name__} {value!r:.40}")
-        if collate is not None and not callable(collate):
-            raise TypeError(f"Batches: collate must be a function of a list of samples, got "
-                            f"{type(collate).__name__} {collate!r:.40}")
+        for name, fn, what in (("collate", collate, "a list of samples"), ("transform", transform, "(sample, rng)")):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"Batches: {name} must be a function of {what}, got {type(fn).__name__} {fn!r:.40}")
+        self.workers = _check_int("workers", workers, 0)
+        self.prefetch = _check_int("prefetch", prefetch, 1)
+        if start_method is not None and not isinstance(start_method, str):
+            raise TypeError(f"Batches: start_method must be 'fork', 'forkserver' or 'spawn', got {start_method!r:.40}")
+        self.start_method = start_method
+        self.rank, self.world_size = _ranks(rank, world_size)
+        source = self._open_files(source)
         self.kind, self.size = self._inspect(source)
         self.source = source
-        self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
-        self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.collate = collate
+        self.transform = transform
         if self.size == 0:
             raise ValueError("Batches: source holds no samples (an empty array, tensor or dataset)")
-        if drop_last and self.size < batch_size:
-            raise ValueError(f"Batches: drop_last with batch_size={batch_size} but only {self.size} samples: "
+        if self.count < (batch_size if drop_last else 1):
+            raise ValueError(f"Batches: {'drop_last with ' if drop_last else ''}batch_size={batch_size} but only "
+                             f"{self.count} samples{' for rank %d' % self.rank if self.world_size > 1 else ''}: "
                              "every epoch would be empty")
         self.epoch = 0
         self.position = 0
+        self._check_workers()
+        self.start_workers()
+
+    @staticmethod
+    def _open_files(source: Any) -> Any:
+        if is_shard_list(source):
+            return NpyShards(source)
+        if isinstance(source, tuple):
+            return tuple(NpyShards(s) if is_shard_list(s) else s for s in source)
+        if isinstance(source, dict):
+            return {k: NpyShards(s) if is_shard_list(s) else s for k, s in source.items()}
+        return source
 
     @staticmethod
     def _inspect(source: Any) -> tuple[str, int]:
@@ -169,13 +173,29 @@ class Batches:
                             "fetched by index; give a map-style dataset (__len__ and __getitem__)")
         if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
             return "dataset", len(source)
-        raise TypeError(f"Batches: source must be an array, a tensor, a tuple or dict of them or a dataset "
-                        f"with __len__ and __getitem__, got {type(source).__name__}")
+        raise TypeError(f"Batches: source must be an array, a tensor, a tuple or dict of them, .npy files or a "
+                        f"dataset with __len__ and __getitem__, got {type(source).__name__}")
+
+    def _check_workers(self) -> None:
+        if not self.workers:
+            return
+        torch = sys.modules.get("torch")
+        arrays = [self.source] if self.kind == "array" else \
+            list(self.source.values()) if self.kind == "dict" else list(self.source) if self.kind == "tuple" else []
+        if torch is not None and any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in arrays):
+            raise ValueError("Batches: workers need a source in CPU memory (the source holds tensors on "
+                             f"{next(a.device for a in arrays if a.device.type != 'cpu')}): move the batches "
+                             "to the device in the program, or use workers=0")
 
     # ------------------------------------------------------------------ state
+    @property
+    def count(self) -> int:
+        """The samples of an epoch this rank serves."""
+        return len(range(self.rank, self.size, self.world_size))
+
     def __len__(self) -> int:
-        """Batches per epoch."""
-        full, rest = divmod(self.size, self.batch_size)
+        """Batches per epoch (of this rank)."""
+        full, rest = divmod(self.count, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
     @property
@@ -207,61 +227,118 @@ class Batches:
             raise ValueError(f"Batches.load_state_dict: position {position} of epoch {epoch} is outside "
                              f"0..{len(self) - 1}")
         self.seed, self.epoch, self.position = seed, epoch, position
-        self.__dict__.pop("_order", None)
 
     def order(self, epoch: int | None = None) -> np.ndarray:
-        """The sample indices of an epoch (default: the current one) in the order they are served."""
+        """The sample indices of an epoch (default: the current one) in the order this rank serves them:
+        a permutation seeded with (seed, epoch), every world_size-th entry from rank on."""
         epoch = self.epoch if epoch is None else epoch
+        key = (self.seed, epoch, self.shuffle, self.rank, self.world_size)
         cached = self.__dict__.get("_order")
-        if cached is not None and cached[0] == (self.seed, epoch):
-            return cached[1]
+        if cached is not None and key in cached:
+            return cached[key]
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.size)
         else:
             order = np.arange(self.size)
-        self.__dict__["_order"] = ((self.seed, epoch), order)
+        order = order[self.rank::self.world_size] if self.world_size > 1 else order
+        cached = {k: v for k, v in (cached or {}).items() if k[1] >= epoch - 1}  # this epoch and its neighbours
+        cached[key] = order
+        self.__dict__["_order"] = cached
         return order
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.pop("_order", None)  # a cache: recomputed from (seed, epoch)
+        for cache in ("_order", "_pool", "_stop"):  # recomputed from (seed, epoch); workers start anew
+            state.pop(cache, None)
         return state
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.start_workers()
+
     def __repr__(self) -> str:
-        return (f"<Batches of {self.batch_size} over {self.size} samples: epoch {self.epoch}, "
+        workers = f", {self.workers} workers" if self.workers else ""
+        ranks = f", rank {self.rank} of {self.world_size}" if self.world_size > 1 else ""
+        return (f"<Batches of {self.batch_size} over {self.size} samples{ranks}{workers}: epoch {self.epoch}, "
                 f"batch {self.position} of {len(self)} taken>")
 
     # ---------------------------------------------------------------- serving
-    def indices(self) -> np.ndarray:
-        """The sample indices of the batch next_batch() serves next (without moving on)."""
-        start = self.position * self.batch_size
-        return self.order()[start: start + self.batch_size]
+    def indices(self, epoch: int | None = None, position: int | None = None) -> np.ndarray:
+        """The sample indices of a batch (default: the one next_batch() serves next, without moving on)."""
+        position = self.position if position is None else position
+        start = position * self.batch_size
+        return self.order(epoch)[start: start + self.batch_size]
 
     def next_batch(self) -> Any:
-        """The next minibatch; moves on, rolling over to the next epoch after its last batch."""
-        batch = self.gather(self.indices())
+        """The next minibatch; moves on, rolling over to the next epoch after its last batch.  An error
+        leaves the position where it was."""
+        if self.workers:
+            batch = self._from_workers()
+        else:
+            batch = self.gather(self.indices())
         self.position += 1
         if self.position >= len(self):
             self.epoch += 1
             self.position = 0
         return batch
 
-    def gather(self, idx: np.ndarray) -> Any:
-        """The batch made of the samples at idx."""
-        source = self.source
-        if self.kind == "array":
-            return _take(source, idx)
-        if self.kind == "tuple":
-            return tuple(_take(arr, idx) for arr in source)
-        if self.kind == "dict":
-            return {key: _take(arr, idx) for key, arr in source.items()}
-        items = [source[int(i)] for i in idx]
-        return self._collate()(items)
+    def gather(self, idx: np.ndarray, epoch: int | None = None) -> Any:
+        """The batch made of the samples at idx (transformed as in epoch, default the current one)."""
+        return self.maker()(self.seed, self.epoch if epoch is None else epoch, idx)
 
-    def _collate(self) -> Callable[[list], Any]:
-        if self.collate is not None:
-            return self.collate
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(self.source, torch.utils.data.Dataset):
-            return torch.utils.data.default_collate
-        return stack_items
+    def maker(self) -> BatchMaker:
+        """What makes a batch from its indices (in this process, or pickled to the workers)."""
+        return BatchMaker(self.kind, self.source, self.transform, self.collate)
+
+    # ---------------------------------------------------------------- workers
+    def start_workers(self) -> None:
+        """Start the worker processes (in the background where they start slowly), if workers > 0 and none
+        run; next_batch() calls this too."""
+        if not self.workers or self.__dict__.get("_pool") is not None:
+            return
+        pool = WorkerPool(self.workers, self.maker(), self.start_method)
+        self.__dict__["_pool"] = pool
+        self.__dict__["_stop"] = weakref.finalize(self, pool.close)
+
+    def close(self) -> None:
+        """Stop the worker processes (a later next_batch() starts new ones); they also stop when this object
+        is garbage-collected and when the interpreter exits."""
+        stop = self.__dict__.pop("_stop", None)
+        self.__dict__.pop("_pool", None)
+        if stop is not None:
+            stop()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of the workers (starting them if none run)."""
+        self.start_workers()
+        return self.__dict__["_pool"].pids if self.workers else []
+
+    def _ahead(self, n: int):
+        """The (epoch, position) of this batch and the n - 1 after it."""
+        epoch, position, per_epoch = self.epoch, self.position, len(self)
+        for _ in range(n):
+            yield epoch, position
+            position += 1
+            if position >= per_epoch:
+                epoch, position = epoch + 1, 0
+
+    def _from_workers(self) -> Any:
+        self.start_workers()
+        pool = self.__dict__["_pool"]
+        if pool.closed:  # a worker died: start afresh
+            self.close()
+            self.start_workers()
+            pool = self.__dict__["_pool"]
+        window = list(self._ahead(self.workers * self.prefetch))
+        keys = [(self.seed, e, p) for e, p in window]
+        pool.keep_only(set(keys))
+        per_epoch = len(self)
+        for n, ((epoch, position), key) in enumerate(zip(window, keys)):
+            if pool.has(key):
+                continue
+            if n and pool.in_flight() >= len(keys):
+                break
+            pool.submit((epoch * per_epoch + position) % self.workers, key, self.seed, epoch,
+                        self.indices(epoch, position))
+        return pool.take(keys[0])
