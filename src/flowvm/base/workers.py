@@ -194,7 +194,10 @@ class WorkerPool:
 
     def submit(self, worker: int, key, seed: int, epoch: int, indices) -> None:
         self.wait_started()
-        self.conns[worker].send((key, seed, epoch, indices))
+        try:
+            self.conns[worker].send((key, seed, epoch, indices))
+        except OSError:  # a dead worker: take() reports it
+            pass
         self.outstanding[worker].append(key)
         self.where[key] = worker
         self.indices[key] = indices
@@ -245,7 +248,7 @@ class WorkerPool:
             self.close()
             raise WorkerError(f"Batches: worker {worker} (pid {proc.pid}) died ({_exit_text(proc.exitcode)}) "
                               f"while making the batch {_describe(key, indices)}; the next batch asked for "
-                              "starts new workers")
+                              f"starts new workers.{_main_hint(self.method)}")
 
     def _error(self, worker: int, key, indices, details: dict) -> WorkerError:
         sample = details.get("sample")
@@ -277,6 +280,13 @@ class WorkerPool:
         self.where.clear()
         self.ready.clear()
         self.indices.clear()
+
+
+def _main_hint(method: str) -> str:
+    if method == "fork":
+        return ""
+    return (f" Workers started with {method} import the main script again: if it has no "
+            "`if __name__ == '__main__':` guard around its work, they run that work and fail.")
 
 
 def _describe(key, indices) -> str:

@@ -1,0 +1,256 @@
+"""Batches(workers=N): batches made ahead in worker processes, served in the order workers=0 serves,
+resumed exactly with any number of workers; per-sample transforms; worker failures; no orphans."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from flowvm import CALL, REPEAT, SEQ, Batches, Registers
+from flowvm.base.batching import sample_rng
+from flowvm.base.workers import WorkerError
+from flowvm.testing import same
+
+X = np.arange(41 * 3, dtype=np.float64).reshape(41, 3)
+Y = np.arange(41)
+
+
+def jitter(sample, rng):
+    x, y = sample
+    return x + rng.standard_normal(x.shape), y
+
+
+def served(data, n):
+    return [data.next_batch() for _ in range(n)]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pids, seconds=5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(gone(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(5, 41), batch_size=st.integers(1, 9), before=st.sampled_from([0, 1, 2, 3]),
+       after=st.sampled_from([0, 1, 2]), prefetch=st.integers(1, 3),
+       cuts=st.lists(st.integers(0, 12), min_size=1, max_size=3))
+def test_resume_with_any_workers_at_any_cut_serves_the_same_batches(n, batch_size, before, after, prefetch, cuts):
+    source = (X[:n], Y[:n])
+    total = 3 * len(Batches(source, batch_size=batch_size)) + 1  # over epoch ends
+    straight = served(Batches(source, batch_size=batch_size, seed=5, transform=jitter), total)
+    data = Batches(source, batch_size=batch_size, seed=5, transform=jitter, workers=before, prefetch=prefetch)
+    got, taken = [], 0
+    for cut in sorted(min(c, total) for c in cuts):
+        got += served(data, cut - taken)
+        taken = cut
+        state = pickle.dumps(data)
+        data.close()
+        data = pickle.loads(state)
+        data.workers = after  # the resumed run's choice
+        data.close()
+    got += served(data, total - taken)
+    data.close()
+    assert same(got, straight)
+
+
+def test_three_resumes_within_one_epoch_of_a_program():
+    def build(workers):
+        data = Batches((X, Y), batch_size=4, seed=2, transform=jitter, workers=workers)
+        reg = Registers(total=0.0, data=data)
+        body = SEQ([CALL(Batches.next_batch, reg("data"), store_to=reg("batch")),
+                    CALL(lambda b, t: t + float(b[0].sum()), reg("batch"), reg("total"), store_to=reg("total"))])
+        return REPEAT(2 * len(data), body)
+
+    straight = build(0).start()
+    straight.run()
+    drv = build(2).start()
+    for steps, workers in ((3, 1), (4, 0), (5, 3)):  # three cuts inside the first epoch (11 batches)
+        drv.run(max_steps=steps)
+        old, drv = drv, pickle.loads(pickle.dumps(drv))
+        old.registers["data"].close()
+        drv.registers["data"].close()
+        drv.registers["data"].workers = workers
+    assert drv.registers["data"].epoch == 0
+    drv.run()
+    assert drv.registers["total"] == straight.registers["total"]
+    drv.registers["data"].close()
+
+
+def test_the_transform_gets_the_generator_of_seed_epoch_and_index_whichever_worker_runs_it():
+    def draw(sample, rng):
+        return np.array([sample, rng.integers(1 << 30)])
+
+    data = Batches(np.arange(12), batch_size=5, seed=7, transform=draw, workers=3, prefetch=1)
+    for epoch in range(2):
+        for batch in served(data, len(data)):
+            for index, value in batch:
+                assert value == sample_rng(7, epoch, index).integers(1 << 30)
+    data.close()
+
+
+def test_workers_are_reused_across_epochs_and_stop_when_closed():
+    data = Batches(X, batch_size=8, workers=2)
+    pids = data.worker_pids
+    assert len(pids) == 2 and not any(gone(p) for p in pids)
+    served(data, 3 * len(data))
+    assert data.worker_pids == pids and data.epoch == 3
+    data.close()
+    assert wait_gone(pids)
+    ref = Batches(X, batch_size=8)
+    ref.load_state_dict(data.state_dict())
+    assert same(data.next_batch(), ref.next_batch())
+    assert set(data.worker_pids).isdisjoint(pids)
+    data.close()
+
+
+class Raising:
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        if i == 13:
+            return 1 / 0
+        return np.full(2, float(i))
+
+
+def test_a_worker_raising_is_an_error_naming_the_sample_with_its_traceback():
+    data = Batches(Raising(), batch_size=4, shuffle=False, workers=2)
+    served(data, 3)
+    with pytest.raises(WorkerError) as info:
+        data.next_batch()
+    text = str(info.value)
+    assert "sample 13" in text and "ZeroDivisionError" in text and "__getitem__" in text and "samples [12, 13" in text
+    assert (data.epoch, data.position) == (0, 3)  # left where it was
+    with pytest.raises(WorkerError, match="sample 13"):
+        data.next_batch()
+    data.close()
+    plain = Batches(Raising(), batch_size=4, shuffle=False)
+    served(plain, 3)
+    with pytest.raises(ZeroDivisionError) as info:
+        plain.next_batch()
+    assert "sample 13" in "".join(getattr(info.value, "__notes__", []))
+
+
+class Slow:
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return np.full(2, float(i))
+
+
+def test_a_worker_killed_is_an_error_not_a_hang_and_the_next_batch_starts_new_workers():
+    data = Batches(Slow(), batch_size=3, seed=1, workers=1, prefetch=1)
+    first = data.next_batch()
+    pid = data.worker_pids[0]
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        data.next_batch()
+    assert time.monotonic() - start < 5
+    assert f"pid {pid}" in str(info.value) and "SIGKILL" in str(info.value) and "samples [" in str(info.value)
+    assert (data.epoch, data.position) == (0, 1)
+    ref = Batches(Slow(), batch_size=3, seed=1)
+    assert same([first, data.next_batch()], served(ref, 2))
+    assert pid not in data.worker_pids
+    data.close()
+
+
+ORPHAN_SCRIPT = textwrap.dedent("""
+    import sys, time, numpy as np
+    from flowvm import Batches
+    if __name__ == "__main__":
+        data = Batches(np.arange(100.0), batch_size=10, workers=2, start_method=sys.argv[1] or None)
+        data.next_batch()
+        print(" ".join(map(str, data.worker_pids)), flush=True)
+        time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_killing_the_parent_leaves_no_worker_behind(tmp_path, method):
+    script = tmp_path / "parent.py"
+    script.write_text(ORPHAN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen([sys.executable, str(script), method], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and not any(gone(p) for p in pids)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert wait_gone(pids), [psutil.Process(p).status() for p in pids if not gone(p)]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_with_other_threads_running_the_workers_start_without_fork_and_in_the_background():
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        start = time.monotonic()
+        data = Batches((X, Y), batch_size=6, seed=3, transform=lambda s, rng: (s[0] * rng.random(), s[1]),
+                       workers=2)
+        assert time.monotonic() - start < 0.5  # does not wait for the processes
+        assert data._pool.method in ("forkserver", "spawn")
+        got = served(data, 9)
+    finally:
+        stop.set()
+        thread.join()
+    ref = Batches((X, Y), batch_size=6, seed=3, transform=lambda s, rng: (s[0] * rng.random(), s[1]))
+    assert same(got, served(ref, 9))
+    data.close()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_ranks_share_each_epoch_each_sample_once(world_size):
+    ranks = [Batches(np.arange(23), batch_size=4, seed=9, rank=r, world_size=world_size) for r in range(world_size)]
+    for epoch in range(2):
+        seen = np.concatenate([np.concatenate(served(d, len(d))) for d in ranks])
+        assert sorted(seen.tolist()) == list(range(23))
+        assert all(d.epoch == epoch + 1 for d in ranks)
+    again = Batches(np.arange(23), batch_size=4, seed=9, rank=world_size - 1, world_size=world_size, workers=2)
+    assert same(served(again, 2 * len(again)), [ranks[-1].gather(ranks[-1].indices(e, p), e)
+                                                 for e in range(2) for p in range(len(again))])
+    again.close()
+    assert len({tuple(d.order(0)) for d in ranks}) == world_size
+
+
+def test_bad_rank_and_worker_options_are_named():
+    with pytest.raises(ValueError, match="rank 2 is outside 0..1"):
+        Batches(X, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="both rank and world_size"):
+        Batches(X, rank=0)
+    with pytest.raises(ValueError, match="workers must be >= 0"):
+        Batches(X, workers=-1)
+    with pytest.raises(ValueError, match="prefetch must be >= 1"):
+        Batches(X, prefetch=0)
+    with pytest.raises(TypeError, match="transform must be a function"):
+        Batches(X, transform=3)
+    with pytest.raises(ValueError, match="start_method 'nope'"):
+        Batches(X, workers=1, start_method="nope")
+    with pytest.raises(ValueError, match="only 2 samples for rank 2"):
+        Batches(np.arange(7), rank=2, world_size=3, batch_size=3, drop_last=True)
