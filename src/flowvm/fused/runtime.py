@@ -46,9 +46,8 @@ from typing import Any, Callable
 from ..base.errors import FusionWarning
 from ..base.errors import WarmedUp as _WarmedUp
 from ..machine.running import remaining_runs
-from . import outofprocess, stateful
-from .reads import Reads, Unchecked
-from .codegen import _barrier_index, generate, leaf_source
+from . import cache, jobs, outofprocess, resources
+from .codegen import generate, leaf_source
 from .compiler import (_compiler_ready, _direct_caller, _direct_compile, _inductor_after_tracing, _modules, _submit,
                        compile_estimate, program_ran, program_waits)
 from .compiler import compile_seconds as compiler_seconds
@@ -95,6 +94,10 @@ class Runtime:
         self.refused: str | None = None    # why the out-of-process compile did not give a graph (see _out_of_process)
         self._verify = False               # check the direct graph's first call against eager
         self._job_pid: int | None = None   # the process whose child compiles the step (_out_of_process)
+        self.cached = False                # the package came from the persistent cache (flowvm/fused/cache.py)
+        self._cache_key: str | None = None  # the package's entry there (evicted if it fails)
+        self._tries = 0                    # compiles started again for lack of resources (_later)
+        self._retry_at = 0.0               # time.monotonic() before which none starts again
         self.current: Callable = self.eager if self.state == "eager" else self._first
 
     # -- the leaf the driver calls
@@ -130,6 +133,8 @@ class Runtime:
     def _first(self, *args):
         """The first execution: start compiling (or compile now, when not in the background)."""
         st = self.settings
+        if st.form != "eager" and self._from_cache(args):  # compiled already: no warm-up, nothing to repay
+            return self._after_compile()(*args)
         self._checks_payback = st.background and st.form == "auto" and st.payback > 0 and st.backend == "inductor"
         self._remaining = remaining_runs() if self._checks_payback else None
         if st.background and st.form == "auto" and (st.compile_after > 0 or self._remaining is not None):
@@ -177,7 +182,7 @@ class Runtime:
     def _warming(self, *args):
         if self._job_pid is not None and self._job_pid != os.getpid():
             self._orphaned()
-        if self._waiting:
+        if self._waiting and time.monotonic() >= self._retry_at:
             self._start_compile(args)
         if self._job_done:
             return self._after_compile()(*args)
@@ -253,14 +258,22 @@ class Runtime:
         """The direct graph raised: run these inputs eagerly (an eager error is the user's), and compile
         no more."""
         out = self.eager(*args)
+        self._evict()
         self._give_up(err)
         return out
+
+    def _evict(self) -> None:
+        """The package failed or disagreed with eager: it leaves the persistent cache too."""
+        if self._cache_key is not None:
+            cache.evict(self._cache_key)
+            self._cache_key = None
 
     def _reject_direct(self, reason: str, *args):
         """A graph compiled out of process gave another first result than eager (float rounding in a
         reduction can do that, as can a setting the child did not have): drop it; the thread compiles
         the step next (its dynamo guards see every setting).  These inputs run eagerly."""
         self.refused = reason
+        self._evict()
         self._direct = None
         self.__dict__.pop("_compiled_call", None)
         self.compiles -= 1
@@ -391,17 +404,26 @@ class Runtime:
                 if self._direct is None:
                     self._direct = _direct_compile(self, args, inference)
             except Exception as err:  # a graph break, an unknown backend, a compiler error
-                self.error = err
+                if background and resources.resource_error(err) and self._tries < resources.MAX_TRIES:
+                    short.append(err)  # no thread, process or memory left for now: not the step's failure
+                else:
+                    self.error = err
             else:  # no graph to stop at: nothing was compiled (the function ran, with nothing to fuse)
                 self.error = RuntimeError("torch.compile produced no graph for these calls")
             finally:
                 _tls.warm = False
                 self.compile_seconds.append(time.perf_counter() - start)
-                if self.settings.backend == "inductor" and self.error is None:
+                if self.settings.backend == "inductor" and self.error is None and not short:
                     compiler_seconds.append(self.compile_seconds[-1])
                 self._job_running = False
-                self._job_done = True
+                if short:
+                    self.compiles -= 1
+                    self._later()
+                else:
+                    self._job_done = True
                 self._traced.set()
+
+        short: list = []
 
         self.compiles += 1
         self._waiting, self._job_running = False, True
@@ -417,16 +439,19 @@ class Runtime:
             self.compiles -= 1
             self._waiting, self._job_running = True, False
 
-    def _out_of_process(self, args) -> bool:
-        """Start compiling the head for these inputs in a child process (flowvm/fused/outofprocess.py), when
-        the settings and the step allow it; whether it started.  A refusal or failure there leaves the
-        compile to the background thread: the next execution starts it."""
+    def _may_go_out_of_process(self) -> bool:
         import torch
 
         s = self.settings
-        if (s.compile_in != "process" or s.backend != "inductor" or s.mode not in (None, "default") or s.dynamic
-                or self._direct is not None or self.refused is not None or torch.is_inference_mode_enabled()
-                or torch._C._is_any_autocast_enabled()):
+        return not (s.compile_in != "process" or s.backend != "inductor" or s.mode not in (None, "default")
+                    or s.dynamic or s.form == "eager" or self._direct is not None or self.refused is not None
+                    or torch.is_inference_mode_enabled() or torch._C._is_any_autocast_enabled())
+
+    def _out_of_process(self, args) -> bool:
+        """Start compiling the head for these inputs in a child process (flowvm/fused/outofprocess.py), when
+        the settings and the step allow it, or take its package from the cache; whether it did.  A refusal
+        or failure there leaves the compile to the background thread: the next execution starts it."""
+        if not self._may_go_out_of_process():
             return False
         try:
             return self._start_out_of_process(args)
@@ -445,38 +470,21 @@ class Runtime:
             self._waiting = True
 
     def _start_out_of_process(self, args) -> bool:
-        s = self.settings
-        gen = self.generated
-        head_args = tuple(args) if gen.head_positions is None else tuple(args[k] for k in gen.head_positions)
-        calls = self.el.calls if gen.tail is None else self.el.calls[:_barrier_index(self.el.calls)]
-        if outofprocess.eligible(calls, head_args):
-            plan = None
-            payload = outofprocess.job_payload(gen.head, head_args, dict(s.options))
-            load: Callable[[str], Any] = outofprocess.load_plain
-        else:
-            inputs = list(self.el.inputs) if gen.head_positions is None else [self.el.inputs[k]
-                                                                               for k in gen.head_positions]
-            plan = stateful.plan(calls, inputs, head_args)
-            if isinstance(plan, str):
-                self.refused = plan  # the reason it compiles on the thread
-                return False
-            payload = stateful.payload(plan, dict(s.options))
-
-            def load(workdir: str) -> Any:
-                return stateful.Kernel(plan, workdir)
-        try:  # what the package will keep besides its inputs, as the child sees it (flowvm/fused/reads.py)
-            reads = Reads.capture(calls)
-        except Unchecked as why:
-            self.refused = str(why)
+        job = jobs.describe(self.el, self.generated, self.settings.options, args)
+        if isinstance(job, str):
+            self.refused = job  # the reason it compiles on the thread
             return False
-        layouts = tuple((type(a), a.dtype, a.device, a.shape, a.stride()) for a in head_args)
+        if job.key is not None and self._cached(job):
+            self._job_done = True  # the next execution runs it
+            return True
         start = time.perf_counter()
 
         def done(run, error):
             try:
                 if run is not None:
-                    self._direct = (layouts, run, run, reads)
+                    self._direct = (job.layouts, run, run, job.reads)
                     self._verify = True  # the first call is checked against eager (_after_first_direct_call)
+                    self._cache_key = job.key
                     self.compile_seconds.append(time.perf_counter() - start)
                     compiler_seconds.append(self.compile_seconds[-1])
             finally:
@@ -490,8 +498,47 @@ class Runtime:
 
         self.compiles += 1
         self._waiting, self._job_running, self._job_pid = False, True, os.getpid()
-        outofprocess.Compile(outofprocess.sized(payload), load, done)
+        try:
+            outofprocess.Compile(job.payload, job.load, done, **({"key": job.key} if job.key else {}))
+        except outofprocess.Busy:  # no thread for it now: the machine is short of resources, try later
+            self.compiles -= 1
+            self._job_running, self._job_pid = False, None
+            self._later()
         return True
+
+    def _cached(self, job: jobs.Job) -> bool:
+        """Take the step's package from the persistent cache (flowvm/fused/cache.py), if it is there and loads;
+        whether it did.  It is checked as a package just compiled is: before each call, and against eager on
+        its first."""
+        path = cache.lookup(job.key)
+        if path is None:
+            return False
+        try:
+            run = job.load(path)
+        except Exception:  # damaged, or from a torch that writes what this one cannot read
+            cache.evict(job.key)
+            return False
+        self.compiles += 1
+        self._direct = (job.layouts, run, run, job.reads)
+        self._verify, self._cache_key, self.cached = True, job.key, True
+        return True
+
+    def _from_cache(self, args) -> bool:
+        """At the step's first execution: whether its package came from the persistent cache (then it runs
+        compiled from now on, whatever ``compile_after`` and ``payback`` say: it costs no compile)."""
+        if cache.root() is None or not self._may_go_out_of_process():
+            return False
+        try:
+            job = jobs.describe(self.el, self.generated, self.settings.options, args)
+        except Exception:  # it does not pickle: the compile says why, in its time
+            return False
+        return not isinstance(job, str) and job.key is not None and self._cached(job)
+
+    def _later(self) -> None:
+        """The machine is short of resources (threads, memory): start this compile again after a while."""
+        self._tries += 1
+        self._retry_at = time.monotonic() + resources.backoff(self._tries)
+        self._waiting = True
 
     def _backend(self) -> Callable:
         """The backend given to torch.compile: the settings' backend, telling ``_traced`` when the

@@ -1,0 +1,161 @@
+"""A persistent cache of the packages compiled in child processes (flowvm/fused/outofprocess.py), so that a
+second run of a program, or a resumed run on any machine sharing the cache, starts with its steps compiled.
+
+An entry is a directory named by the job's key, holding the files the child wrote (``step.pt2``, or
+``forward.pt2``, ``backward.pt2`` and ``meta.json``).  The key (``key``) hashes the job's pickle (the
+generated step's code and constants, its inputs' layouts, the modules' structure with stand-in tensors, the
+compiler's options and the torch settings) with what the package's code depends on besides: flowvm's,
+torch's and python's versions, the machine's architecture and the CPU capability torch compiles for.
+
+- Where: ``FLOWVM_CACHE_DIR``, else ``$XDG_CACHE_HOME/flowvm/compiled`` (``~/.cache/flowvm/compiled``);
+  ``FLOWVM_CACHE_DIR=off`` (or empty) turns the cache off.
+- How big: ``FLOWVM_CACHE_MAX_BYTES`` (default 2 GB); the least recently used entries go first.
+- Writes are atomic (a temporary directory renamed into place): concurrent writers of one key leave one
+  entry, and a reader never sees half of one.  An entry that fails to load or to verify is evicted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+FORMAT = 1                      # the entries' layout; a change makes every older entry a miss
+MAX_BYTES = 2 * 1024 ** 3
+TEMP_PREFIX = ".tmp-"
+_OFF = {"", "off", "0", "none", "false", "no"}
+
+
+def root() -> str | None:
+    """The cache's directory, or None when it is turned off."""
+    given = os.environ.get("FLOWVM_CACHE_DIR")
+    if given is not None:
+        return None if given.strip().lower() in _OFF else os.path.abspath(os.path.expanduser(given))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "flowvm", "compiled")
+
+
+def max_bytes() -> int:
+    given = os.environ.get("FLOWVM_CACHE_MAX_BYTES", "").strip()
+    if not given:
+        return MAX_BYTES
+    try:
+        return int(float(given))
+    except ValueError:
+        raise ValueError(f"FLOWVM_CACHE_MAX_BYTES must be a number of bytes, got {given!r}") from None
+
+
+_GENERATED = re.compile(rb"<flowvm FUSED [0-9a-f]+>")
+
+
+def key(payload: bytes) -> str:
+    """The key of a job: its pickle (the generated function's file name made the same in every process)
+    and what its package's code depends on besides."""
+    import torch
+
+    from ..base.version import __version__
+
+    capability = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", lambda: "")()
+    h = hashlib.sha256()
+    for part in (f"flowvm-compiled {FORMAT}", __version__, torch.__version__, sys.version.split()[0],
+                 platform.machine(), platform.system(), capability):
+        h.update(str(part).encode() + b"\0")
+    h.update(_GENERATED.sub(b"<flowvm FUSED>", payload))
+    return h.hexdigest()[:40]
+
+
+def lookup(k: str) -> str | None:
+    """The entry's directory (marked as used now), or None."""
+    where = root()
+    if where is None:
+        return None
+    path = os.path.join(where, k)
+    try:
+        os.utime(path)
+    except OSError:
+        return None
+    return path
+
+
+def store(k: str, workdir: str, names: list[str]) -> str | None:
+    """Put these files of workdir in the cache as entry k (atomically; an entry already there is kept);
+    the entry's directory, or None (cache off, or the disk refused: the cache is an optimization)."""
+    where = root()
+    if where is None:
+        return None
+    final = os.path.join(where, k)
+    try:
+        os.makedirs(where, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=where)
+        try:
+            for name in names:
+                shutil.copyfile(os.path.join(workdir, name), os.path.join(tmp, name))
+            os.rename(tmp, final)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.isdir(final):
+                return None
+        trim(where, max_bytes())
+    except OSError:
+        return None
+    return final
+
+
+def evict(k: str) -> None:
+    """Remove entry k (it failed to load or to verify)."""
+    where = root()
+    if where is not None:
+        _remove(os.path.join(where, k))
+
+
+def _remove(path: str) -> None:
+    # renamed away first, so that no reader finds a half-removed entry
+    gone = f"{os.path.dirname(path)}{os.sep}{TEMP_PREFIX}gone-{os.path.basename(path)}-{os.getpid()}"
+    try:
+        os.rename(path, gone)
+    except OSError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def trim(where: str, limit: int) -> None:
+    """Evict the least recently used entries until the cache holds at most ``limit`` bytes; remove the
+    temporary directories of writers that died (over an hour old)."""
+    entries = []
+    total = 0
+    now = time.time()
+    for name in os.listdir(where):
+        path = os.path.join(where, name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if name.startswith(TEMP_PREFIX):
+            if now - st.st_mtime > 3600:
+                shutil.rmtree(path, ignore_errors=True)
+            continue
+        size = _size(path)
+        entries.append((st.st_mtime, size, path))
+        total += size
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        _remove(path)
+        total -= size
+
+
+def _size(path: str) -> int:
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    total = 0
+    for name in os.listdir(path):
+        try:
+            total += os.path.getsize(os.path.join(path, name))
+        except OSError:
+            pass
+    return total

@@ -1,0 +1,213 @@
+"""The persistent cache of packages compiled in child processes (flowvm/fused/cache.py): a second run of a
+program starts with its steps compiled, keys tell apart what compiles differently, bad entries are evicted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from flowvm import CALL, REPEAT, SEQ, Registers
+from flowvm.fused import cache, jobs, outofprocess, runtime
+from flowvm.passes.fuse_torch import fuse_torch
+
+
+def python_env(**extra) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **extra)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    where = tmp_path / "compiled"
+    monkeypatch.setenv("FLOWVM_CACHE_DIR", str(where))
+    return where
+
+
+def test_where_the_cache_is_and_how_to_turn_it_off(monkeypatch, tmp_path):
+    monkeypatch.delenv("FLOWVM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.root() == os.path.join(str(tmp_path), "flowvm", "compiled")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache.root() == os.path.join(os.path.expanduser("~"), ".cache", "flowvm", "compiled")
+    for off in ("off", "", "0"):
+        monkeypatch.setenv("FLOWVM_CACHE_DIR", off)
+        assert cache.root() is None
+    monkeypatch.setenv("FLOWVM_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache.root() == str(tmp_path / "mine")
+
+
+def _entry(tmp_path, name: str, size: int) -> str:
+    work = tmp_path / f"work-{name}"
+    work.mkdir()
+    (work / "step.pt2").write_bytes(b"x" * size)
+    return str(work)
+
+
+def test_entries_are_stored_whole_and_the_least_recently_used_go_first(cache_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWVM_CACHE_MAX_BYTES", "2500")
+    for k, name in enumerate("abc"):
+        assert cache.store(name * 40, _entry(tmp_path, name, 1000), ["step.pt2"]) is not None
+        then = time.time() - 100 + k
+        os.utime(cache_dir / (name * 40), (then, then))
+        if name == "b":
+            assert cache.lookup("a" * 40) is not None  # "a" used after "b" was stored: "b" is the oldest now
+    assert sorted(os.listdir(cache_dir)) == ["a" * 40, "c" * 40]  # 3000 bytes: the least recently used went
+    assert (cache_dir / ("a" * 40) / "step.pt2").read_bytes() == b"x" * 1000
+    # a second writer of the same key keeps the first entry whole
+    assert cache.store("a" * 40, _entry(tmp_path, "d", 10), ["step.pt2"]) is not None
+    assert (cache_dir / ("a" * 40) / "step.pt2").stat().st_size == 1000
+    assert not [n for n in os.listdir(cache_dir) if n.startswith(cache.TEMP_PREFIX)]
+    cache.evict("a" * 40)
+    assert cache.lookup("a" * 40) is None and os.listdir(cache_dir) == ["c" * 40]
+
+
+def _job(calls, x, **settings):
+    fast = fuse_torch(REPEAT(2, SEQ(calls)), **settings)
+    rt = fast.body.runtime()
+    return jobs.describe(rt.el, rt.generated, rt.settings.options, (x,))
+
+
+def test_the_key_differs_when_a_constant_a_layout_or_a_setting_differs(cache_dir, monkeypatch):
+    x = torch.ones(4, 3)
+    reg = Registers(x=x)
+
+    def calls(shift=1, extra=()):
+        return [CALL(torch.roll, reg("x"), [shift], 0, store_to=reg("h")), CALL(torch.sin, reg("h"), *extra,
+                                                                                 store_to=reg("h"))]
+
+    key = _job(calls(), x).key
+    assert key is not None and _job(calls(), x).key == key  # the same step: the same key
+    assert _job(calls(shift=3), x).key != key                # a constant
+    assert _job(calls(), x.t().contiguous().t()).key != key  # a layout (strides)
+    assert _job(calls(), torch.ones(4, 3, dtype=torch.float64)).key != key
+    assert _job(calls(), x, options={"fallback_random": True, "max_autotune": True}).key != key  # compiler options
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert _job(calls(), x).key != key                   # a torch setting
+    finally:
+        torch.set_default_dtype(before)
+    monkeypatch.setenv("FLOWVM_CACHE_DIR", "off")
+    assert _job(calls(), x).key is None                      # no cache, no key
+
+
+KEYS = textwrap.dedent("""
+    import json, torch
+    from flowvm import CALL, REPEAT, SEQ, Registers
+    from flowvm.fused import jobs
+    from flowvm.passes.fuse_torch import fuse_torch
+    F = torch.nn.functional
+    reg = Registers(x=torch.ones(8, 4), y=torch.zeros(8, dtype=torch.long))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                              torch.nn.Linear(8, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    plain = SEQ([CALL(torch.roll, reg("x"), [1], 0, store_to=reg("h")), CALL(torch.sin, reg("h"), store_to=reg("h"))])
+    train = SEQ([CALL(opt.zero_grad), CALL(net, reg("x"), store_to=reg("l")),
+                 CALL(F.cross_entropy, reg("l"), reg("y"), store_to=reg("loss")),
+                 CALL(torch.Tensor.backward, reg("loss")), CALL(opt.step)])
+    keys = []
+    for body in (plain, train):
+        fast = fuse_torch(REPEAT(2, body))
+        el = next(e for e in [fast.body] + list(fast.body.children) if hasattr(e, "runtime"))
+        rt = el.runtime()
+        job = jobs.describe(rt.el, rt.generated, rt.settings.options, tuple(reg[r.name] for r in rt.el.inputs))
+        keys.append(job.key)
+    print(json.dumps(keys))
+""")
+
+
+def test_the_key_is_the_same_in_every_process(cache_dir):
+    got = [subprocess.run([sys.executable, "-c", KEYS], capture_output=True, text=True, env=python_env(),
+                          timeout=120) for _ in range(2)]
+    assert all(g.returncode == 0 for g in got), got[0].stderr[-2000:]
+    first, second = (json.loads(g.stdout.strip().splitlines()[-1]) for g in got)
+    assert first == second and None not in first and first[0] != first[1]
+
+
+def _chain(n=30):
+    reg = Registers(x=torch.linspace(-2, 2, 64))
+    ops = [torch.sin, torch.exp, torch.tanh, torch.sigmoid]
+    body = SEQ([CALL(op, reg("x" if i == 0 else "h"), store_to=reg("h")) for i, op in enumerate(ops)])
+    return REPEAT(n, body), reg
+
+
+def test_an_entry_that_does_not_load_is_ignored_and_evicted(cache_dir, monkeypatch):
+    prog, reg = _chain()
+    fast = fuse_torch(prog)  # the defaults: nothing would compile in 30 executions
+    rt = fast.body.runtime()
+    key = jobs.describe(rt.el, rt.generated, rt.settings.options, (reg["x"],)).key
+    (cache_dir / key).mkdir(parents=True)
+    (cache_dir / key / outofprocess.PACKAGE).write_bytes(b"not a package")
+    fast.run()
+    assert not rt.cached and rt.hits == 0 and not (cache_dir / key).exists()
+    assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
+
+
+def test_an_entry_whose_first_result_differs_from_eager_is_evicted(cache_dir, monkeypatch):
+    prog, reg = _chain()
+    fast = fuse_torch(prog)
+    rt = fast.body.runtime()
+    key = jobs.describe(rt.el, rt.generated, rt.settings.options, (reg["x"],)).key
+    (cache_dir / key).mkdir(parents=True)
+    head = rt.generated.head
+    monkeypatch.setattr(outofprocess, "load_plain", lambda path: lambda inputs: [o + 1 for o in head(*inputs)])
+    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: False)  # the thread's compile: not here
+    fast.run()
+    assert rt.cached and rt.refused.startswith("its first result differs from eager's")
+    assert not (cache_dir / key).exists()
+    assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
+
+
+RUN = textwrap.dedent("""
+    import json, sys, time, torch
+    from flowvm import CALL, LOOP, REPEAT, SEQ, Registers
+    from flowvm.fused import outofprocess
+    from flowvm.passes.fuse_torch import fuse_torch
+    reg = Registers(x=torch.linspace(-2, 2, 64))
+    ops = [torch.sin, torch.exp, torch.tanh, torch.sigmoid]
+    body = SEQ([CALL(op, reg("x" if i == 0 else "h"), store_to=reg("h")) for i, op in enumerate(ops)])
+    expected = torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"]))))
+    if sys.argv[1] == "first":  # compiles at once, in a child process
+        drv = fuse_torch(LOOP(body), compile_after=0, payback=0).start()
+        rt = drv.program.body.runtime()
+        deadline = time.time() + 300
+        while rt.hits == 0 and rt.refused is None and time.time() < deadline:
+            drv.run(max_steps=5)
+            time.sleep(0.05)
+    else:  # the defaults: 5,000 executions would never compile; no child process may start
+        def no_child(*args, **kwargs):
+            raise AssertionError("a child process started")
+        outofprocess.Compile = no_child
+        fast = fuse_torch(REPEAT(5000, body))
+        rt = fast.body.runtime()
+        drv = fast.start()
+        drv.run(max_steps=3)
+        after_three = rt.hits
+        drv.run()
+    print(json.dumps({"hits": rt.hits, "refused": rt.refused, "cached": rt.cached, "state": rt.state,
+                      "close": bool(torch.allclose(reg["h"], expected, rtol=1e-5, atol=1e-6)),
+                      "early": after_three if sys.argv[1] != "first" else None, "header": fast.body.header_text()
+                      if sys.argv[1] != "first" else ""}))
+""")
+
+
+def test_a_second_run_of_a_program_starts_with_its_step_compiled_from_the_cache(cache_dir):
+    runs = []
+    for which in ("first", "second"):
+        out = subprocess.run([sys.executable, "-c", RUN, which], capture_output=True, text=True, timeout=400,
+                             env=python_env(FLOWVM_CACHE_DIR=str(cache_dir)))
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["hits"] > 0 and first["refused"] is None and not first["cached"]
+    assert len(os.listdir(cache_dir)) == 1  # the package, stored
+    assert second["cached"] and second["refused"] is None and second["close"]
+    assert second["early"] >= 1 and second["hits"] > 100  # compiled from its first executions (verified, timed)
+    assert "measured compiled" in second["header"]
