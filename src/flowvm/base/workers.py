@@ -106,6 +106,7 @@ def _worker_main(conn, owner: int, pdeathsig: bool, maker: Any) -> None:
         import cloudpickle
 
         maker = cloudpickle.loads(maker)
+    outbox = _sender(conn)
     while True:
         try:
             task = conn.recv()
@@ -120,10 +121,25 @@ def _worker_main(conn, owner: int, pdeathsig: bool, maker: Any) -> None:
             details = {"sample": getattr(err, "flowvm_sample", None), "error": f"{type(err).__name__}: {err}",
                        "traceback": "".join(traceback.format_exception(err))}
             data = pickle.dumps((key, "error", details))
-        try:
-            conn.send_bytes(data)
-        except (OSError, ValueError):
-            os._exit(0)
+        outbox.put(data)
+
+
+def _sender(conn):
+    """A thread sending the worker's answers, so that the worker makes its next batch while the parent has
+    not read the last one yet (a batch larger than the pipe's buffer would otherwise hold it up)."""
+    import queue
+
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run() -> None:
+        while True:
+            try:
+                conn.send_bytes(outbox.get())
+            except (OSError, ValueError):
+                os._exit(0)
+
+    threading.Thread(target=run, name="flowvm-batches-sender", daemon=True).start()
+    return outbox
 
 
 # ------------------------------------------------------------------ the parent's side
