@@ -211,6 +211,7 @@ def test_an_inductor_compiled_chain_of_ten_ops_agrees_with_the_interpreted_progr
 
 def test_the_direct_compiled_form_is_only_for_plain_tensors_with_its_layouts():
     from flowvm.fused.compiler import _direct_compile
+    from flowvm.fused.reads import Reads
     from flowvm.fused.runtime import Runtime
 
     x = torch.zeros(4, 3)
@@ -227,7 +228,8 @@ def test_the_direct_compiled_form_is_only_for_plain_tensors_with_its_layouts():
         ran.append("dynamo")
         return rt.generated.head(*args)
 
-    rt._direct = (((torch.Tensor, x.dtype, x.device, x.shape, x.stride()),), kernel, None)
+    reads = Reads.capture(rt.el.calls)  # nothing mutable among the calls' arguments: the torch settings only
+    rt._direct = (((torch.Tensor, x.dtype, x.device, x.shape, x.stride()),), kernel, None, reads)
     rt._runonly = dynamo_path
     rt.compiles = rt.settings.max_compiles  # no compile for the inputs the direct graph refuses
     first = rt._install_direct()
