@@ -63,7 +63,7 @@ def _check_history(history: Any, path) -> None:
             raise ValueError(f"names: a list of at most {MAX_HISTORY_NAMES} strings")
         if type(points) is not dict or set(points) != set(names):
             raise ValueError("points: an object of each name's points")
-        every = history.get("every", 1)
+        every = history["every"]
         if type(every) is not int or not 1 <= every < 1 << 62 or type(history.get("auto", True)) is not bool:
             raise ValueError("every: an int >= 1, auto: true or false")
         for name, rows in points.items():
