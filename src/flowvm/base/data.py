@@ -42,6 +42,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..pickled import stable
+from .loaders import next_from, restore_loader
 from .batching import BatchMaker, is_array as _is_array, length as _length, sample_rng, stack_items
 from .sources import NpyShards, is_shard_list
 from .workers import WorkerError, WorkerPool
@@ -289,6 +290,18 @@ class Batches:
     def maker(self) -> BatchMaker:
         """What makes a batch from its indices (in this process, or pickled to the workers)."""
         return BatchMaker(self.kind, self.source, self.transform, self.collate)
+
+    @staticmethod
+    def next_from(loader: Any) -> Any:
+        """The next batch of a torch DataLoader, a torchdata StatefulDataLoader or any iterable, which keeps
+        its iterator; after an epoch's last batch, the first of the next.  A saved run holds a
+        StatefulDataLoader's state_dict() and resumes on its next batch; a plain DataLoader's iterator is
+        refused at save (see docs/data.md)."""
+        return next_from(loader)
+
+    @staticmethod
+    def _restore_loader(cls: type, state: dict, loader_state: dict | None) -> Any:
+        return restore_loader(cls, state, loader_state)
 
     # ---------------------------------------------------------------- workers
     def start_workers(self) -> None:

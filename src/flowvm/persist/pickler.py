@@ -160,6 +160,11 @@ def _rule_for(t: type):
         return _with_obj(_reduce_lbfgs)
     if torch is not None and issubclass(t, torch.optim.Optimizer):
         return _with_obj(_reduce_optimizer)
+    if torch is not None and any((c.__module__ or "").startswith(("torch.utils.data", "torchdata")) for c in t.__mro__):
+        from ..base.loaders import reduction_for  # DataLoader iterators refused, StatefulDataLoader's state kept
+
+        loader_rule = reduction_for(t)
+        return None if loader_rule is None else _with_obj(loader_rule)
     return None
 
 
