@@ -67,9 +67,10 @@ def test_resume_with_any_workers_at_any_cut_serves_the_same_batches(n, batch_siz
         state = pickle.dumps(data)
         data.close()
         data = pickle.loads(state)
-        data.workers = after  # the resumed run's choice
-        data.close()
+        data.workers = after  # the resumed run's choice: the next batch starts that many workers
     got += served(data, total - taken)
+    assert len(data.worker_pids) == data.workers and "_pool" in data.__dict__ if data.workers else \
+        "_pool" not in data.__dict__
     data.close()
     assert same(got, straight)
 
@@ -89,7 +90,6 @@ def test_three_resumes_within_one_epoch_of_a_program():
         drv.run(max_steps=steps)
         old, drv = drv, pickle.loads(pickle.dumps(drv))
         old.registers["data"].close()
-        drv.registers["data"].close()
         drv.registers["data"].workers = workers
     assert drv.registers["data"].epoch == 0
     drv.run()

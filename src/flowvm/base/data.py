@@ -276,6 +276,8 @@ class Batches:
         if self.workers:
             batch = self._from_workers()
         else:
+            if self.__dict__.get("_pool") is not None:  # workers set to 0 meanwhile
+                self.close()
             batch = self.gather(self.indices())
         self.position += 1
         if self.position >= len(self):
@@ -339,7 +341,7 @@ class Batches:
     def _from_workers(self) -> Any:
         self.start_workers()
         pool = self.__dict__["_pool"]
-        if pool.closed:  # a worker died: start afresh
+        if pool.closed or pool.n != self.workers:  # a worker died, or workers was changed: start afresh
             self.close()
             self.start_workers()
             pool = self.__dict__["_pool"]
