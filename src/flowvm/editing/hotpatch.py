@@ -15,7 +15,7 @@ and in the paused segments of WEAVE frames, to the edited tree:
   when both are children of one SEQ (in a loop body that just finished an
   iteration, an element inserted after the body runs after its next one).
   After a leaf the driver enters the containers on its way to the next leaf
-  (``Driver._fresh`` marks them); none of their steps has run, so for a patch
+  (``Driver.unstarted_from`` marks them); none of their steps has run, so for a patch
   they have not started: their frames are rewound and entered again by the
   next step;
 - an element inserted before a started element runs from its next
@@ -38,7 +38,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..machine.driver import Driver
-from ..machine.frames import ELEMENT, SEQ_POS, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_FINISHED, WEAVE_SEGMENTS, WEAVE_VALUES
+from ..machine import frames as F
+from ..machine.frames import ELEMENT, WEAVE_FINISHED, WEAVE_SEGMENTS
 from ..machine.frames import walk as walk_frames
 from .edit import EditError, Match, NoFrames, carry_overrides, edit_tree
 from ..program.elements import WEAVE, Element, provide
@@ -66,8 +67,8 @@ class DriverFrames(NoFrames):
 
     def __init__(self, drv: Driver):
         self.drv = drv
-        stack = drv._stack
-        fresh = drv._fresh if drv._ready and not drv.done else None
+        stack = drv.frames
+        fresh = drv.unstarted_from
         if fresh is not None and fresh < len(stack) - 1:
             # The last settle entered these containers on its way to the next leaf, and none of
             # them has taken a step: the patch sees them as not started (the next step enters
@@ -77,15 +78,12 @@ class DriverFrames(NoFrames):
             self.main = [self._copy(fr) for fr in stack]
 
     def _copy(self, fr: list) -> _Frame:
-        data = list(fr)
-        if type(fr[ELEMENT]) is WEAVE and len(fr) > 1:
-            data[WEAVE_SEGMENTS] = [None if seg is None else [self._copy(s) for s in seg] for seg in fr[WEAVE_SEGMENTS]]
-        return _Frame(fr, data)
+        return _Frame(fr, F.copy_frame(fr, lambda seg: [self._copy(s) for s in seg]))
 
     def started(self, f: _Frame) -> bool:
         if len(f.data) > 1:
             return True
-        return f.data[ELEMENT].is_leaf and f.orig is not None and id(f.orig) in self.drv.__dict__.get("_live", {})
+        return f.data[ELEMENT].is_leaf and f.orig is not None and id(f.orig) in self.drv.live
 
     def chains(self) -> list[tuple[Path, list, int]]:
         """(path, chain, index) of every frame: the main stack and the WEAVE segments."""
@@ -108,7 +106,7 @@ class DriverFrames(NoFrames):
             raise EditError(f"cannot {verb} {_describe(f.data[ELEMENT], path)}: it is running "
                             f"(driver at step {self.drv.steps}); edit the elements inside it, "
                             "or insert before or after it", format_path(path))
-        f.data[ELEMENT] = new
+        F.set_element(f.data, new)
 
     def seq_insert(self, seq_path: Path, index: int, items: list) -> None:
         loc = self.locate(seq_path)
@@ -118,15 +116,15 @@ class DriverFrames(NoFrames):
         f = chain[k]
         if len(f.data) == 1:
             return  # not started: it starts on the edited children
-        pos = f.data[SEQ_POS]
+        pos = F.seq_position(f.data)
         if pos > index:
-            f.data[SEQ_POS] = pos + len(items)
+            F.set_seq_position(f.data, pos + len(items))
         elif pos == index:
             child = chain[k + 1] if k + 1 < len(chain) else None
             if child is not None and not self.started(child):
-                child.data[ELEMENT] = items[0]  # the driver sits just before it: the inserted elements run next
+                F.set_element(child.data, items[0])  # the driver sits just before it: the inserted elements run next
             else:
-                f.data[SEQ_POS] = pos + len(items)
+                F.set_seq_position(f.data, pos + len(items))
 
     def seq_delete(self, seq_path: Path, index: int, children: list) -> None:
         loc = self.locate(seq_path)
@@ -136,19 +134,19 @@ class DriverFrames(NoFrames):
         f = chain[k]
         if len(f.data) == 1:
             return
-        pos = f.data[SEQ_POS]
+        pos = F.seq_position(f.data)
         if pos > index:
-            f.data[SEQ_POS] = pos - 1
+            F.set_seq_position(f.data, pos - 1)
         elif pos == index:
             child = chain[k + 1] if k + 1 < len(chain) else None
             path = seq_path + (index,)
             if child is None:
-                f.data[SEQ_POS] = index - 1  # it finished: its value goes on to the next one
+                F.set_seq_position(f.data, index - 1)  # it finished: its value goes on to the next one
             elif self.started(child):
                 raise EditError(f"cannot remove {_describe(child.data[ELEMENT], path)}: it is running "
                                 f"(driver at step {self.drv.steps})", format_path(path))
             elif index + 1 < len(children):
-                child.data[ELEMENT] = children[index + 1]
+                F.set_element(child.data, children[index + 1])
             else:
                 raise EditError(f"cannot remove {_describe(child.data[ELEMENT], path)}: the driver is about to run "
                                 "it and it is the last element of its SEQ, whose value it gives; "
@@ -161,9 +159,9 @@ class DriverFrames(NoFrames):
         chain, k = loc
         f = chain[k]
         if self.started(f):
-            chain.insert(k, _Frame(None, [wrapper, index]))
+            chain.insert(k, _Frame(None, F.seq_frame(wrapper, index)))
         else:
-            f.data[ELEMENT] = wrapper
+            F.set_element(f.data, wrapper)
 
     def weave_delete(self, weave_path: Path, index: int, child: Element) -> None:
         loc = self.locate(weave_path)
@@ -182,12 +180,7 @@ class DriverFrames(NoFrames):
         if seg is None or len(seg) != 1 or self.started(seg[0]):
             raise EditError(f"cannot remove {_describe(child, path)}: it is running (a child of a running WEAVE, "
                             f"driver at step {self.drv.steps})", format_path(path))
-        # an unstarted child waiting for its first turn: drop its slot in every per-child list
-        data[WEAVE_SEGMENTS] = segs[:index] + segs[index + 1:]
-        for slot in (WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS):
-            data[slot] = data[slot][:index] + data[slot][index + 1:]
-        if data[WEAVE_ACTIVE] > index:
-            data[WEAVE_ACTIVE] -= 1
+        F.weave_drop_child(data, index)  # an unstarted child waiting for its first turn
 
     # -- commit
     def resolve(self, program: Element) -> None:
@@ -207,18 +200,11 @@ class DriverFrames(NoFrames):
                 if type(el) is not type(old) or (type(el) is WEAVE and len(el.elements) != len(f.data[WEAVE_SEGMENTS])):
                     raise EditError(f"cannot patch: {_describe(old, path)} is running and would become "
                                     f"{_describe(el, path)}", format_path(path))
-            f.data[ELEMENT] = el
+            F.set_element(f.data, el)
 
     def materialize(self, chain: list) -> list[list]:
-        out = []
-        for f in chain:
-            data = list(f.data)
-            if type(data[ELEMENT]) is WEAVE and len(data) > 1:
-                data[WEAVE_SEGMENTS] = [None if seg is None else self.materialize(seg) for seg in data[WEAVE_SEGMENTS]]
-            fr = f.orig if f.orig is not None else []
-            fr[:] = data
-            out.append(fr)
-        return out
+        return [F.overwrite(f.orig if f.orig is not None else [], F.copy_frame(f.data, self.materialize))
+                for f in chain]
 
 
 def patch_driver(drv: Driver, found: list[Match], op: str, new: Any) -> Driver:
@@ -237,19 +223,7 @@ def patch_driver(drv: Driver, found: list[Match], op: str, new: Any) -> Driver:
     frames.resolve(program)
     verify(program, drv.registers)
     program = carry_overrides(drv.program, program)
-    # commit
-    drv._stack[:] = frames.materialize(frames.main)
-    drv.program = program
-    drv.invalidate()
-    drv._fresh = None  # frame indices moved; a rewound driver settles again just below and sets it anew
-    untouched = drv.steps == 0 and len(drv._stack) == 1 and len(drv._stack[0]) == 1
-    if not drv.done and drv._ready and drv._stack and not drv._stack[-1][ELEMENT].is_leaf:
-        drv._ready = False
-    if not drv.done and not untouched:  # a driver fresh from start() still reads nothing until it steps
-        try:
-            drv._prepare()
-        except Exception:
-            pass  # a move that fails is retried, and raised, by the next step
+    drv.replace_frames(frames.materialize(frames.main), program)  # the commit
     return drv
 
 

@@ -264,7 +264,7 @@ class DependsCALL(CALL):
     def bind(self, drv: Driver, frame: list) -> Callable[[], Any]:
         factory = self._cached("depends_leaf", lambda: _factory(self))
         regs = drv.registers
-        within = tuple(f[ELEMENT] for f in drv._stack)  # the elements this CALL runs inside, for their overrides
+        within = tuple(f[ELEMENT] for f in drv.frames)  # the elements this CALL runs inside, for their overrides
 
         def dep(d: Depends, cache: dict) -> Any:
             return resolve_dependency(drv, d, cache, (), within)

@@ -16,8 +16,10 @@ docs/architecture.md follows one step from ``Driver.step()`` to the user's funct
 
 from __future__ import annotations
 
+import contextvars
 import numbers
 import weakref
+from dataclasses import dataclass
 from time import monotonic
 from typing import Any
 
@@ -25,8 +27,8 @@ from ..pickled import stable
 from .compile import leaf_function
 from . import fastpaths, history
 from .fastpaths import repeat_leaf, repeat_seq, repeat_woven
-from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, child_index, credit_weaves, marks,
-                     settle, take_turn)
+from .frames import (ELEMENT, REPEAT_I, REPEAT_N, SEQ_POS, child_index, credit_weaves, marks, repeat_counted,
+                     seq_moved, settle, take_turn)
 from ..base.environment import apply_random, apply_settings, capture_random, capture_settings, check_settings
 from ..program.elements import REPEAT, SEQ, WEAVE, Element, provide, tool
 from ..base.errors import RegisterError, SwitchError
@@ -38,6 +40,32 @@ from ..program.registers import Registers
 from ..base.sentinels import INCOMPLETE, NOVALUE, PENDING
 
 
+
+
+@dataclass
+class RunState:
+    """A driver's run state as plain data (``Driver.snapshot()``, ``Driver.restore()``): what persistence
+    saves and loads, without reaching into the driver.
+
+    ``frames`` are the driver's own frame lists (flowvm.machine.frames), outermost first: read them, and
+    hand new ones to ``restore``.  ``carry`` is the value in transit from a finished child to the frame on
+    top (``NOVALUE`` when none); ``ready``: the driver sits just before its next leaf; ``rotate``: a WEAVE's
+    turn is due at the next settle; ``fresh``: the index of the outermost frame that the last settle entered
+    and that has taken no step since (None: the leaf alone); ``history``: the watched registers' points
+    (flowvm.machine.history) or None; ``environment``: the global random states and settings a copy resumes
+    with (``{"random", "settings", "announce"}``, flowvm.base.environment) or None.
+    """
+
+    steps: int
+    done: bool
+    result: Any
+    frames: list
+    carry: Any = NOVALUE
+    ready: bool = False
+    rotate: bool = False
+    fresh: int | None = None
+    history: dict | None = None
+    environment: dict | None = None
 
 
 YIELD_EVERY = 0.00025  # seconds: how often arun() gives the event loop control, by default
@@ -104,31 +132,37 @@ class Driver:
     # ------------------------------------------------------------------ public
     def step(self) -> Any:
         """Run one leaf action; return INCOMPLETE, or the program's value once it is finished."""
+        token = MID_STEP.set((self, MID_STEP.get()))  # for the tools a leaf calls (flowvm.machine.running)
         try:
-            fast = self._fast
-            if fast is not None:
-                i = fast[REPEAT_I] + 1
-                if i < fast[REPEAT_N]:
-                    # Fast path: a leaf repeated by its REPEAT parent stays on the stack.
-                    value = self._leaf()
-                    self.steps += 1
-                    self._fresh = None
-                    fast[REPEAT_I] = i
-                    fast[REPEAT_LAST] = value
-                    counter = fast[ELEMENT].counter
-                    if counter is not None:
-                        self.registers[counter.name] = i
-                    return INCOMPLETE
-            if self._leaf is None and not self._prepare():
-                return self.result
-            value = self._leaf()
-        except Exception as err:  # the one place where a leaf's error gets its note (see _running_error)
-            raise self._running_error(err)
-        if value is PENDING:
-            self._after_poll()
-            return INCOMPLETE
-        self._after_leaf(value)
-        return self.result if self.done else INCOMPLETE
+            try:
+                fast = self._fast
+                if fast is not None:
+                    i = fast[REPEAT_I] + 1
+                    if i < fast[REPEAT_N]:
+                        # Fast path: a leaf repeated by its REPEAT parent stays on the stack.
+                        value = self._leaf()
+                        self.steps += 1
+                        self._fresh = None
+                        repeat_counted(self, fast, i, value)
+                        if self._watch is not None:
+                            history.record(self)
+                        return INCOMPLETE
+                if self._leaf is None and not self._prepare():
+                    if self._watch is not None:
+                        history.record(self)
+                    return self.result
+                value = self._leaf()
+            except Exception as err:  # the one place where a leaf's error gets its note (see _running_error)
+                raise self._running_error(err)
+            if value is PENDING:
+                self._after_poll()
+            else:
+                self._after_leaf(value)
+            if self._watch is not None:
+                history.record(self)
+            return self.result if self.done else INCOMPLETE
+        finally:
+            MID_STEP.reset(token)
 
     def run(self, max_steps: int | None = None, timeout: float | None = None) -> Any:
         """Run until the program finishes, max_steps more steps were taken, or timeout seconds passed.
@@ -191,6 +225,7 @@ class Driver:
 
     def _drive(self, limit, deadline: float | None, idle: "_Idle | None", block: bool) -> Any:
         """The loop of run() and arun(): with block=False it returns instead of waiting on pending leaves."""
+        token = MID_STEP.set((self, MID_STEP.get()))  # for the tools a leaf calls (flowvm.machine.running)
         try:
             while True:
                 if self.steps >= limit and not self.done:
@@ -237,6 +272,8 @@ class Driver:
                     self._after_leaf(value)
         except Exception as err:  # the other place where a leaf's error gets its note
             raise self._running_error(err)
+        finally:
+            MID_STEP.reset(token)
 
     @property
     def position(self) -> str | None:
@@ -310,14 +347,9 @@ class Driver:
             return {}
         return {name: [tuple(p) for p in self._watch["points"][name]] for name in self._watch["names"]}
 
-    def _watched_step(self) -> Any:
-        value = Driver.step(self)
-        history.record(self)
-        return value
-
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.pop("step", None)  # a watched driver's own step (history.attach), made again when loaded
+        state.pop("step", None)  # (a watched driver of older versions had a step of its own)
         state.pop("_leaf", None)
         state.pop("_fast", None)
         state.pop("_fastseq", None)
@@ -331,9 +363,80 @@ class Driver:
     def invalidate(self) -> None:
         """Drop what the driver derived from its program and frames (the next leaf's function, the frames
         the fast paths hold, whether the program has a WEAVE); the next step derives them again.  For
-        whoever changes the program or the frames in place (hot patches, in-place edits)."""
+        whoever changes the program or the frames in place (hot patches, in-place edits).  When the element
+        the driver was about to run became a container, the next step settles into it."""
         self._weave = has_weave(self.program)
         self._leaf = self._fast = self._fastseq = self._around = self._woven = None
+        stack = self._stack
+        if self._ready and stack and not stack[-1][ELEMENT].is_leaf:
+            self._ready = False
+
+    # ------------------------------------------------------- the run state, for tools
+    # Other modules read and change the run through these, never through the underscore fields.
+    def snapshot(self) -> RunState:
+        """The run state as plain data, with the random states and settings of this moment (what a copy
+        made now resumes with): for persistence (flowvm.persist)."""
+        return RunState(steps=self.steps, done=self.done, result=self.result, frames=list(self._stack),
+                        carry=self._carry, ready=self._ready, rotate=self._rotate, fresh=self._fresh,
+                        history=self._watch, environment=self._resume_for_copy())
+
+    def restore(self, state: RunState) -> "Driver":
+        """Put a saved run state into this driver (one started on the same program, not yet stepped), and
+        return it.  Its frames must hold this driver's elements (flowvm.persist checks them); a malformed
+        history is a ValueError.  The environment, when given, is set at the next step."""
+        if not isinstance(state, RunState):
+            raise TypeError(f"restore expects a RunState (Driver.snapshot()), got {type(state).__name__}")
+        if not (state.fresh is None or 0 <= state.fresh <= len(state.frames)):
+            raise ValueError(f"fresh is {state.fresh!r:.40}, expected None or an int in [0, {len(state.frames)}]")
+        self.steps, self.done, self.result = state.steps, state.done, state.result
+        self._stack = list(state.frames)
+        self._carry, self._ready, self._rotate, self._fresh = state.carry, state.ready, state.rotate, state.fresh
+        self.__dict__.pop("_watch", None)
+        history.adopt(self, state.history)
+        self.invalidate()
+        if state.environment is not None:
+            self.saved_environment = state.environment
+        return self
+
+    @classmethod
+    def from_snapshot(cls, program: Element, state: RunState) -> "Driver":
+        """A driver of program holding the run state (see restore)."""
+        return cls(program).restore(state)
+
+    @property
+    def frames(self) -> tuple:
+        """The frames of the active elements, outermost first (read-only: flowvm.machine.frames writes them;
+        ``frames.walk`` visits the paused ones too)."""
+        return tuple(self._stack)
+
+    @property
+    def unstarted_from(self) -> int | None:
+        """The index of the outermost frame that the last settle entered on its way to the next leaf and that
+        has taken no step since (a hot patch treats them as not started); None when there is none."""
+        return self._fresh if self._ready and not self.done else None
+
+    @property
+    def watched(self) -> dict | None:
+        """The history's own plain data (``{"every", "auto", "names", "points"}``, flowvm.machine.history), kept
+        up to date as the run goes (so a holder of it sees new points), or None when unwatched."""
+        return self._watch
+
+    def replace_frames(self, frames: list, program: Element | None = None) -> None:
+        """For hot patches (flowvm.editing.hotpatch): the run goes on from these frames (the frame lists it
+        keeps, written through flowvm.machine.frames) and, when given, this program.  The caches are dropped
+        and the driver settles into its next leaf; a move that fails is raised by the next step."""
+        self._stack[:] = frames
+        if program is not None:
+            self.program = program
+        self.invalidate()
+        self._fresh = None  # frame indices moved; a rewound driver settles again just below and sets it anew
+        stack = self._stack
+        untouched = self.steps == 0 and len(stack) == 1 and len(stack[0]) == 1
+        if not self.done and not untouched:  # a driver fresh from start() still reads nothing until it steps
+            try:
+                self._prepare()
+            except Exception:
+                pass  # a move that fails is retried, and raised, by the next step
 
     # ---------------------------------------------------------------- editing a run
     def find(self, pattern: Any = None, *, where: Any = None, missing_ok: bool = False):
@@ -398,8 +501,23 @@ class Driver:
 
     @property
     def saved_environment(self) -> dict | None:
-        """What the next step sets (a copy's saved random states and settings), or None."""
+        """What the next step sets (a copy's saved random states and settings), or None.  Set it (a dict
+        ``{"random": states or None, "settings": {name: value}, "announce": bool}``, checked by the caller)
+        to give a loaded run the environment it was saved with."""
         return self._resume
+
+    @saved_environment.setter
+    def saved_environment(self, environment: dict | None) -> None:
+        if environment is not None:
+            environment = {"random": environment.get("random"), "settings": dict(environment.get("settings") or {}),
+                           "announce": bool(environment.get("announce", True))}
+        self._resume = environment
+        self.invalidate()  # the next step goes through _prepare
+
+    def copy_environment(self) -> dict:
+        """What a copy of the run made now resumes with: the global random states and the settings of this
+        moment (or those a copy that has not stepped yet still stands for)."""
+        return self._resume_for_copy()
 
     def _apply_resume(self) -> None:
         pending = self._resume
@@ -464,8 +582,7 @@ class Driver:
                     if type(nxt).simple_leaf:
                         # what settling would do: the SEQ moves on (its children's values are dropped)
                         self.steps += 1
-                        fr[SEQ_POS] = pos
-                        stack[-1] = [nxt]
+                        seq_moved(stack, fr, pos)
                         self._leaf = self._fast = self._fastseq = self._woven = self._fresh = None
                         if self._around is not None and take_turn(self, self._around):
                             self.settle_after_turn()  # the turn passed to another child of a WEAVE
@@ -543,6 +660,9 @@ class Driver:
 
 
 provide("start", Driver)  # Element.start()
+# The drivers in the middle of a step in this context, innermost first, as a chain (driver, outer chain) ending
+# in (): set by step() and by the loop of run() and arun(), read by flowvm.machine.running.
+MID_STEP: "contextvars.ContextVar[tuple]" = contextvars.ContextVar("flowvm_mid_step", default=())
 DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()  # drivers started in this process (see flowvm.machine.running)
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 from time import monotonic
 
 from .compile import leaf_function
-from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, WEAVE_ACTIVE, WEAVE_CREDITS,
-                     WEAVE_FINISHED, WEAVE_ROTATE, pass_turn, rotate_weaves)
+from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, WEAVE_ACTIVE, next_turn, pass_turn,
+                     repeat_counted, repeat_seq_counted, rotate_weaves, seq_finished, seq_restarted, seq_moved,
+                     turn_used)
 
 
 # False: the driver takes none of these paths (nor the move to a next sibling); for the tests that compare
@@ -58,8 +59,8 @@ def repeat_leaf(drv, parent: list, limit, deadline: float | None = None) -> None
                 i += 1
                 regs[name] = i
     finally:
-        parent[REPEAT_I] = i
-        parent[REPEAT_LAST] = value
+        if i > start:
+            repeat_counted(drv, parent, i, value)
         drv.steps += i - start
         if i > start:
             drv._fresh = None
@@ -94,10 +95,9 @@ def repeat_seq(drv, fs: tuple, limit, deadline: float | None = None) -> int:
             else:
                 pos += 1
     finally:
-        rep[REPEAT_I], rep[REPEAT_LAST], seq[SEQ_POS] = i, value, pos
         drv.steps += ran
         if ran:
-            drv._stack[-1] = [children[pos]]
+            repeat_seq_counted(drv._stack, rep, seq, i, value, pos)
             drv._leaf = leaves[pos]
             # as settling would leave it: a SEQ just begun again counts as entered afresh
             drv._fresh = len(drv._stack) - 2 if pos == 0 else None
@@ -106,34 +106,24 @@ def repeat_seq(drv, fs: tuple, limit, deadline: float | None = None) -> int:
 
 def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int:
     """``repeat_leaf`` and ``repeat_seq`` inside WEAVEs: after each leaf the WEAVEs around it count the step
-    of their active child's turn and pick the next child when it is used up (``frames.take_turn``), as
-    settling would.  The loop goes on while each WEAVE picks its active child again, and stops when a turn
-    passes to another child, after settling the driver into it (or at the step limit, the deadline, or one
-    step before the REPEAT's last iteration).  Returns the steps taken."""
+    of their active child's turn and pick the next child when it is used up (``frames.next_turn``,
+    ``frames.take_turn``), as settling would.  The loop goes on while each WEAVE picks its active child
+    again, and stops when a turn passes to another child, after settling the driver into it (or at the step
+    limit, the deadline, or one step before the REPEAT's last iteration).  Returns the steps taken."""
     weaves, rep, seq = woven
-    regs = drv.registers
     stack = drv._stack
     if seq is None:
-        children = None
         leaves = [drv._leaf]
         last = pos = 0
     else:
-        children = seq[ELEMENT].elements
-        leaves = [leaf_function(c, regs) for c in children]
+        leaves = [leaf_function(c, drv.registers) for c in seq[ELEMENT].elements]
         last, pos = len(leaves) - 1, seq[SEQ_POS]
     i, n, value = rep[REPEAT_I], rep[REPEAT_N], rep[REPEAT_LAST]
-    counter = rep[ELEMENT].counter
-    name = counter.name if counter is not None else None
     budget = limit - drv.steps
     ran = 0
     passed = False
     timed = deadline is not None
-    if len(weaves) == 1:  # one WEAVE around: its turns counted here, inline
-        weave = weaves[0]
-        credits, active, finished = weave[WEAVE_CREDITS], weave[WEAVE_ACTIVE], weave[WEAVE_FINISHED]
-        weights, width = weave[ELEMENT].weights, len(finished)
-    else:
-        weave = None
+    weave = weaves[0] if len(weaves) == 1 else None  # one WEAVE around: its turn counted by next_turn
     try:
         while ran < budget and (pos != last or i != n - 1):
             if timed and ran and monotonic() >= deadline:
@@ -143,76 +133,45 @@ def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int
             if pos == last:  # the leaf, or the SEQ, finished an iteration of the REPEAT
                 i += 1
                 value = v
-                if name is not None:
-                    regs[name] = i
+                repeat_counted(drv, rep, i, value)
                 pos = 0
             else:
                 pos += 1
             if weave is not None:
-                c = credits[active] - 1
-                credits[active] = c
-                if c >= 1:
+                j = next_turn(weave)
+                if j == weave[WEAVE_ACTIVE]:
                     continue
-                j = active + 1  # the turn is used up: the next child, as frames.weave_pick picks it
-                while True:
-                    if j == width:
-                        j = 0
-                    if not finished[j]:
-                        c = credits[j] + (weights[j] if weights is not None else 1)
-                        credits[j] = c
-                        if c >= 1:
-                            break
-                    j += 1
-                if j == active:
-                    continue
-                rep[REPEAT_I], rep[REPEAT_LAST] = i, value  # the frames as settling leaves them, then the turn
-                if seq is not None:
-                    if pos:
-                        seq[SEQ_POS] = pos
-                        stack[-1] = [children[pos]]
-                    else:  # the SEQ finished: the REPEAT holds it again, not yet started
-                        del seq[1:]
-                        del stack[-1]
+                _settled_before_turn(stack, seq, pos)
                 pass_turn(drv, weave, j)
                 passed = True
                 break
-            due = False
-            for fr in weaves:  # frames.take_turn, inline up to the rotation
-                credits = fr[WEAVE_CREDITS]
-                a = fr[WEAVE_ACTIVE]
-                credits[a] -= 1
-                if credits[a] < 1:
-                    fr[WEAVE_ROTATE] = True
-                    due = True
-            if due:  # the frames as settling leaves them before the turn, then the turn
-                rep[REPEAT_I], rep[REPEAT_LAST] = i, value
-                if seq is None:
-                    passed = rotate_weaves(drv, weaves)
-                elif pos:
-                    seq[SEQ_POS] = pos
-                    stack[-1] = [children[pos]]
-                    passed = rotate_weaves(drv, weaves)
-                else:  # the SEQ finished: the REPEAT holds it again, not yet started
-                    del seq[1:]
-                    del stack[-1]
-                    passed = rotate_weaves(drv, weaves)
-                    if not passed:
-                        seq.append(0)
-                        stack.append([children[0]])
+            if turn_used(weaves):  # the frames as settling leaves them before the turn, then the turn
+                _settled_before_turn(stack, seq, pos)
+                passed = rotate_weaves(drv, weaves)
                 if passed:
                     break
+                if seq is not None and not pos:
+                    seq_restarted(stack, seq)
     finally:
-        rep[REPEAT_I], rep[REPEAT_LAST] = i, value
-        drv.steps += ran
         if ran and not passed:
             if seq is not None:
-                seq[SEQ_POS] = pos
-                stack[-1] = [children[pos]]
+                repeat_seq_counted(stack, rep, seq, i, value, pos)
                 drv._leaf = leaves[pos]
                 drv._fresh = len(stack) - 2 if pos == 0 else None
             else:
                 drv._fresh = None
+        drv.steps += ran
     if passed:  # settle into the child whose turn it is, as the step that ended the turn would
         drv._fresh = None
         drv.settle_after_turn()
     return ran
+
+
+def _settled_before_turn(stack: list, seq: list | None, pos: int) -> None:
+    """The frames as settling leaves them after a leaf, before a WEAVE's turn passes."""
+    if seq is None:
+        return
+    if pos:
+        seq_moved(stack, seq, pos)
+    else:  # the SEQ finished: the REPEAT holds it again, not yet started
+        seq_finished(stack, seq)

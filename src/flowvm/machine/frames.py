@@ -470,6 +470,50 @@ def take_turn(drv, weaves: list) -> bool:
     WEAVE frames on the stack) counts one step of its active child's turn (``credit_weaves``), and those
     whose child used up its turn pick the next (``rotate_weaves``).  True when a turn passed to another
     child: the stack changed and the driver must settle into it."""
+    return turn_used(weaves) and rotate_weaves(drv, weaves)
+
+
+# ------------------------------------------------------------- commits of the fast paths
+# The fast paths (fastpaths.py, and the one-step forms in driver.py) count in local variables and write
+# their counts back through these, so that this module stays the one writer of frames.
+def repeat_counted(drv, fr: list, i: int, value: Any) -> None:
+    """A REPEAT frame's body finished its iteration i - 1 (counted from 0) with value: the counter (and
+    its register) say i iterations are done."""
+    fr[REPEAT_I] = i
+    fr[REPEAT_LAST] = value
+    counter = fr[ELEMENT].counter
+    if counter is not None:
+        drv.registers[counter.name] = i
+
+
+def seq_moved(stack: list, fr: list, pos: int) -> None:
+    """The SEQ frame fr, right below the leaf on top of stack, moved on to its child pos (not started)."""
+    fr[SEQ_POS] = pos
+    stack[-1] = [fr[ELEMENT].elements[pos]]
+
+
+def repeat_seq_counted(stack: list, rep: list, seq: list, i: int, value: Any, pos: int) -> None:
+    """A REPEAT frame rep of a SEQ frame seq (on top of stack, below its leaf): i iterations done, the last
+    one's value, the SEQ at child pos (the registers, the fast path wrote as it went)."""
+    rep[REPEAT_I], rep[REPEAT_LAST] = i, value
+    seq_moved(stack, seq, pos)
+
+
+def seq_finished(stack: list, seq: list) -> None:
+    """The SEQ frame seq (below the leaf on top of stack) finished: it is its REPEAT's body again, not started."""
+    del seq[1:]
+    del stack[-1]
+
+
+def seq_restarted(stack: list, seq: list) -> None:
+    """The SEQ frame seq (on top of stack, not started) enters its first child again."""
+    seq.append(0)
+    stack.append([seq[ELEMENT].elements[0]])
+
+
+def turn_used(weaves: list) -> bool:
+    """Each of weaves (WEAVE frames on the stack) counts one step of its active child's turn; True when some
+    child used its turn up (``rotate_weaves`` then picks the next)."""
     due = False
     for fr in weaves:
         credits = fr[WEAVE_CREDITS]
@@ -478,4 +522,62 @@ def take_turn(drv, weaves: list) -> bool:
         if credits[a] < 1:
             fr[WEAVE_ROTATE] = True
             due = True
-    return due and rotate_weaves(drv, weaves)
+    return due
+
+
+def next_turn(fr: list) -> int:
+    """One step of the active child's turn in the WEAVE frame fr: the child whose turn comes next (the
+    active one again while its turn lasts; else as ``weave_pick``, which gives the skipped children their
+    credits)."""
+    credits = fr[WEAVE_CREDITS]
+    a = fr[WEAVE_ACTIVE]
+    c = credits[a] - 1
+    credits[a] = c
+    if c >= 1:
+        return a
+    return weave_pick(fr, a + 1)
+
+
+# ------------------------------------------------------------- hot patches' frame edits
+# flowvm.editing.hotpatch edits working copies of a driver's frames (lists of the same layouts) through
+# these, then hands the result to Driver.replace_frames.
+def copy_frame(fr: list, segment: Callable[[list], Any]) -> list:
+    """A copy of fr whose WEAVE segments (if fr is a started WEAVE) are mapped through segment."""
+    data = list(fr)
+    if type(fr[ELEMENT]) is WEAVE and len(fr) > 1:
+        data[WEAVE_SEGMENTS] = [None if seg is None else segment(seg) for seg in fr[WEAVE_SEGMENTS]]
+    return data
+
+
+def overwrite(fr: list, data: list) -> list:
+    """fr (a frame the driver holds, or a new list) made equal to data; returns fr."""
+    fr[:] = data
+    return fr
+
+
+def set_element(fr: list, el: Element) -> None:
+    """fr runs el now (an edited element of the same kind, or any element when fr has not started)."""
+    fr[ELEMENT] = el
+
+
+def seq_frame(el: Element, pos: int) -> list:
+    """A started SEQ frame at child pos (a SEQ wrapped around a running element)."""
+    return [el, pos]
+
+
+def seq_position(fr: list) -> int:
+    return fr[SEQ_POS]
+
+
+def set_seq_position(fr: list, pos: int) -> None:
+    """A started SEQ frame's running child is now child pos (siblings were inserted or removed before it)."""
+    fr[SEQ_POS] = pos
+
+
+def weave_drop_child(fr: list, index: int) -> None:
+    """A started WEAVE frame loses its child index (one waiting for its first turn): its slot in every
+    per-child list goes, and the active index follows."""
+    for slot in (WEAVE_SEGMENTS, WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS):
+        fr[slot] = fr[slot][:index] + fr[slot][index + 1:]
+    if fr[WEAVE_ACTIVE] > index:
+        fr[WEAVE_ACTIVE] -= 1

@@ -13,8 +13,7 @@ A register's value is a point when it is a number, a one-element array or tensor
 at most 64 numbers; anything else (not yet written, a model) is skipped at that step.
 
 ``run()`` and ``arun()`` stop their loops at each step due (the tight loops inside are untouched); ``step()``
-is replaced, on a watched driver only, by one that records after the step (``attach``), so unwatched drivers
-pay nothing.
+records after the step when the driver is watched (one check of ``drv._watch``).
 """
 
 from __future__ import annotations
@@ -52,9 +51,9 @@ def watch(drv, names, every: int | None, total: int | None) -> None:
 
 
 def attach(drv) -> None:
-    """Make drv.step record its points (a watched driver's step, as an attribute of that driver only)."""
-    if drv.__dict__.get("_watch") is not None:
-        drv.step = drv._watched_step
+    """Nothing left to do: a watched driver's step() records its points itself.  (Drops the step of its own
+    that a watched driver of older versions had.)"""
+    drv.__dict__.pop("step", None)
 
 
 def adopt(drv, saved: Any) -> None:

@@ -6,9 +6,7 @@ many more times the run will run it.
 
 from __future__ import annotations
 
-import sys
-
-from .driver import DRIVERS, Driver
+from .driver import DRIVERS, MID_STEP, Driver
 from ..program.elements import BUFFER, LOOP, REPEAT, WEAVE, WHILE, Element
 from .frames import BUFFER_I, BUFFER_N, ELEMENT, REPEAT_I, REPEAT_N
 from .frames import walk as walk_frames
@@ -25,7 +23,7 @@ def running_in(el: Element) -> "tuple[Driver, str] | None":
         if drv.done:
             continue
         live = drv.__dict__.get("_live") or {}
-        for path, chain, k, paused in walk_frames(drv._stack):
+        for path, chain, k, paused in walk_frames(drv.frames):
             fr = chain[k]
             if fr[ELEMENT] is el and (len(fr) > 1 or id(fr) in live):  # a container in progress, a polling leaf
                 return drv, "(a paused WEAVE child)" if paused else format_path(path)
@@ -33,18 +31,16 @@ def running_in(el: Element) -> "tuple[Driver, str] | None":
 
 
 def drivers_mid_step() -> "list[Driver]":
-    """The drivers whose step is running now in this thread, further up the call stack: an edit made from
-    there comes from one of their own CALLs.  Their tight loops keep the functions of the leaves they run,
-    and their frames are in the middle of a move, so such an edit is refused (flowvm.editing.edit)."""
-    codes = {Driver.step.__code__, Driver._drive.__code__}
-    found = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in codes:
-            drv = frame.f_locals.get("self")
-            if isinstance(drv, Driver) and drv not in found:
-                found.append(drv)
-        frame = frame.f_back
+    """The drivers whose step is running now in this context (this thread, this asyncio task), innermost
+    first: an edit made from there comes from one of their own CALLs.  Their tight loops keep the functions
+    of the leaves they run, and their frames are in the middle of a move, so such an edit is refused
+    (flowvm.editing.edit).  step() and the loop of run() and arun() set them (``driver.MID_STEP``)."""
+    found: list = []
+    chain = MID_STEP.get()
+    while chain:
+        drv, chain = chain
+        if drv not in found:
+            found.append(drv)
     return found
 
 
@@ -54,9 +50,7 @@ def refresh_drivers_holding(el: Element) -> None:
     for drv in list(DRIVERS):
         if drv.done or not any(x is el for _, x in walk(drv.program)):
             continue
-        drv.invalidate()
-        if drv._ready and drv._stack and not drv._stack[-1][ELEMENT].is_leaf:
-            drv._ready = False  # the next leaf became a container: settle into it
+        drv.invalidate()  # (when the next leaf became a container, the next step settles into it)
 
 
 def remaining_runs() -> int | None:
@@ -69,7 +63,7 @@ def remaining_runs() -> int | None:
     if not drivers:
         return None
     left, per = 1, 1  # runs left within the current iteration of a level; runs per iteration of it
-    for fr in reversed(drivers[0]._stack[:-1]):  # the leaf's ancestors, innermost first
+    for fr in reversed(drivers[0].frames[:-1]):  # the leaf's ancestors, innermost first
         kind = type(fr[ELEMENT])
         if kind in (LOOP, WHILE, WEAVE):
             return None

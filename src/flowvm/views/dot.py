@@ -72,9 +72,10 @@ def frame_states(drv) -> dict[Path, tuple[str, str]]:
     from ..machine.frames import comment, walk
 
     states: dict[Path, tuple[str, str]] = {}
-    if drv.done or not drv._stack:
+    frames = drv.frames
+    if drv.done or not frames:
         return states
-    for path, chain, k, paused in walk(drv._stack):
+    for path, chain, k, paused in walk(frames):
         top = k == len(chain) - 1
         state = ("resume" if top else "paused") if paused else ("next" if top else "running")
         if path not in states or state in ("next", "resume"):
