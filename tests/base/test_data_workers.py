@@ -254,3 +254,15 @@ def test_bad_rank_and_worker_options_are_named():
         Batches(X, workers=1, start_method="nope")
     with pytest.raises(ValueError, match="only 2 samples for rank 2"):
         Batches(np.arange(7), rank=2, world_size=3, batch_size=3, drop_last=True)
+
+
+def test_load_state_dict_with_batches_in_flight_serves_the_batch_of_that_state():
+    data = Batches((X, Y), batch_size=5, seed=4, transform=jitter, workers=2, prefetch=3)
+    ref = Batches((X, Y), batch_size=5, seed=4, transform=jitter)
+    served(data, 3)
+    for state in ({"seed": 4, "epoch": 0, "position": 1}, {"seed": 6, "epoch": 2, "position": 7},
+                  {"seed": 4, "epoch": 0, "position": 8}):
+        data.load_state_dict(state)
+        ref.load_state_dict(state)
+        assert same(served(data, 4), served(ref, 4))
+    data.close()
