@@ -1,6 +1,11 @@
 import os
 import sys
 
+# The persistent cache of compiled packages (flowvm/fused/cache.py) is off for the tests, and for the programs
+# they start, unless a test gives its own directory: a package cached by one test must not change what
+# another sees, nor a run of the suite what the next one sees.
+os.environ["FLOWVM_CACHE_DIR"] = "off"
+
 # The tests import their helper modules (toy, progen, ...) from this folder; flowvm itself is the
 # installed package, never the source tree (the repository keeps it under src/).
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -168,3 +168,34 @@ def test_a_fusable_function_of_the_users_gets_no_direct_form():
     rt = fast.runtime()
     rt.settings = dataclasses.replace(rt.settings, form="auto")
     assert compiler._direct_compile(rt, (reg["x"],), inference=False) is None
+
+
+def test_a_compiled_step_whose_reads_changed_says_it_runs_eagerly_and_why():
+    from flowvm.fused.runtime import Runtime
+
+    shifts = [1]
+    reg = Registers(x=torch.arange(4.0))
+    fast = fuse_torch(SEQ([CALL(torch.roll, reg("x"), shifts, 0, store_to=reg("h")),
+                           CALL(torch.sin, reg("h"), store_to=reg("h"))]), form="compiled", background=False)
+    rt = Runtime(fast)
+    x = reg["x"]
+    ran = []
+
+    def kernel(args):  # stands for the compiled graph: what it computed when compiled, shifts=[1]
+        ran.append("compiled")
+        return (torch.sin(torch.roll(args[0], 1, 0)),) * 2
+
+    reads = Reads.capture(rt.el.calls)
+    rt._direct = (((torch.Tensor, x.dtype, x.device, x.shape, x.stride()),), kernel, None, reads)
+    rt._runonly = None
+    rt.compiles = rt.settings.max_compiles  # no other compile
+    rt.state, rt.decision = "compiled", "forced"
+    call = rt._install_direct()
+    assert torch.equal(call(x)[0], torch.sin(torch.roll(x, 1, 0))) and ran == ["compiled"]
+    assert rt.status() == "compiled (forced)"
+    shifts[0] = 3
+    assert torch.equal(rt._compiled_call(x)[0], torch.sin(torch.roll(x, 3, 0))) and ran == ["compiled"]  # eager
+    assert rt.status() == "compiled (forced); eager while CALL h = torch.roll(x, [1], 0): argument 2 changed"
+    shifts[0] = 1
+    rt._compiled_call(x)
+    assert ran == ["compiled", "compiled"] and rt.status() == "compiled (forced)"

@@ -584,6 +584,14 @@ class Runtime:
 
     # -- printing
     def status(self) -> str:
+        text = self._status()
+        if self._direct is not None and self.state in ("compiled", "trial", "eager"):
+            changed = self._direct[3].changed()  # what the compiled form read, changed since: it runs eagerly
+            if changed is not None:
+                text += f"; eager while {changed}"
+        return text
+
+    def _status(self) -> str:
         s = self.settings
         if s.form == "eager":
             return "eager (forced)"
