@@ -82,7 +82,8 @@ def child(case: str, mode: str, n: int) -> dict:
 
 def run_child(case: str, mode: str, n: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        # cold: no inductor cache, no cache of compiled packages (bench_fuse_cache.py measures that one)
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, FLOWVM_CACHE_DIR="off")
         out = subprocess.run([sys.executable, __file__, "--child", case, mode, str(n)], capture_output=True,
                              text=True, env=env, check=True, timeout=1800)
     return json.loads(out.stdout.splitlines()[-1])
