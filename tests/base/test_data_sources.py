@@ -133,6 +133,12 @@ def resumed_twice(make_loader):
 def test_a_stateful_loader_in_a_register_resumes_from_its_state_dict():
     straight, resumed = resumed_twice(ResumableLoader)
     assert resumed == straight and len(straight) == 9 and straight[4] == [0.0, 1.0, 2.0]
+    from flowvm.persist.pickler import names_in, pickle_bytes
+
+    loader = ResumableLoader(torch.utils.data.TensorDataset(torch.arange(10.0)), 3)
+    Batches.next_from(loader)
+    assert ("flowvm", "Batches._restore_loader") in names_in(pickle_bytes(loader))  # a stable name
+    assert pickle.loads(pickle_bytes(loader)).next_iter_state == {"yielded": 1}
 
 
 def test_torchdata_stateful_dataloader_resumes_from_its_state_dict():

@@ -69,6 +69,7 @@ def test_resume_with_any_workers_at_any_cut_serves_the_same_batches(n, batch_siz
         data = pickle.loads(state)
         data.workers = after  # the resumed run's choice: the next batch starts that many workers
     got += served(data, total - taken)
+    data.next_batch()  # (one more: the last cut may be at the end)
     assert len(data.worker_pids) == data.workers and "_pool" in data.__dict__ if data.workers else \
         "_pool" not in data.__dict__
     data.close()

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..pickled import stable
-from .loaders import next_from, restore_loader
+from .loaders import next_from, restore_loader, restore_with
 from .batching import BatchMaker, is_array as _is_array, length as _length, sample_rng, stack_items
 from .sources import NpyShards, is_shard_list
 from .workers import WorkerError, WorkerPool
@@ -357,3 +357,6 @@ class Batches:
             pool.submit((epoch * per_epoch + position) % self.workers, key, self.seed, epoch,
                         self.indices(epoch, position))
         return pool.take(keys[0])
+
+
+restore_with(Batches._restore_loader)  # a pickled StatefulDataLoader names flowvm.Batches._restore_loader

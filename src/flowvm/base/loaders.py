@@ -21,7 +21,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, Callable
 
-__all__ = ["next_from", "reduction_for", "restore_loader", "ITERATOR_ATTR"]
+__all__ = ["next_from", "reduction_for", "restore_loader", "restore_with", "ITERATOR_ATTR"]
 
 ITERATOR_ATTR = "_flowvm_iterator"  # the iterator next_from keeps on a loader (dropped from its pickle)
 
@@ -65,10 +65,16 @@ def _without_iterators(loader: Any) -> dict:
     return state
 
 
-def _reduce_stateful(loader: Any) -> Any:
-    from .data import Batches
+_restorer: list = [None]  # restore_loader under its stable name (Batches._restore_loader, set by data.py)
 
-    return Batches._restore_loader, (type(loader), _without_iterators(loader), loader.state_dict())
+
+def restore_with(fn: Callable) -> None:
+    """The function a pickled StatefulDataLoader names to rebuild itself (it calls restore_loader)."""
+    _restorer[0] = fn
+
+
+def _reduce_stateful(loader: Any) -> Any:
+    return _restorer[0] or restore_loader, (type(loader), _without_iterators(loader), loader.state_dict())
 
 
 def _reduce_loader(loader: Any) -> Any:
