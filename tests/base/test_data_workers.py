@@ -267,3 +267,31 @@ def test_load_state_dict_with_batches_in_flight_serves_the_batch_of_that_state()
         ref.load_state_dict(state)
         assert same(served(data, 4), served(ref, 4))
     data.close()
+
+
+def test_a_forked_copy_of_the_process_starts_workers_of_its_own():
+    data = Batches(X, batch_size=4, seed=1, workers=2)
+    want = served(Batches(X, batch_size=4, seed=1), 3)
+    assert same(data.next_batch(), want[0])
+    parents = set(data.worker_pids)
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's workers are not its own
+        ok = same(data.next_batch(), want[1]) and not parents & set(data.worker_pids)
+        data.close()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert same(served(data, 2), want[1:]) and set(data.worker_pids) == parents
+    data.close()
+
+
+def test_a_torch_dataset_in_workers_gives_the_tensors_workers_0_gives():
+    import torch
+
+    ds = torch.utils.data.TensorDataset(torch.randn(30, 3, generator=torch.Generator().manual_seed(0)),
+                                        torch.arange(30))
+    data = Batches(ds, batch_size=7, seed=2, workers=2)
+    got = served(data, 9)
+    data.close()
+    assert all(isinstance(b[0], torch.Tensor) for b in got)
+    assert same(got, served(Batches(ds, batch_size=7, seed=2), 9))

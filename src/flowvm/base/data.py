@@ -35,6 +35,7 @@ True
 from __future__ import annotations
 
 import numbers
+import os
 import sys
 import weakref
 from typing import Any, Callable
@@ -341,7 +342,8 @@ class Batches:
     def _from_workers(self) -> Any:
         self.start_workers()
         pool = self.__dict__["_pool"]
-        if pool.closed or pool.n != self.workers:  # a worker died, or workers was changed: start afresh
+        if pool.closed or pool.n != self.workers or pool.owner != os.getpid():  # a worker died, workers was
+            # changed, or this is a forked copy of the process that started them: start afresh
             self.close()
             self.start_workers()
             pool = self.__dict__["_pool"]

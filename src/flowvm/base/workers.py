@@ -160,9 +160,13 @@ class WorkerPool:
         self.indices: dict = {}  # key -> its sample indices (for error messages)
         self.closed = False
         self._failure: BaseException | None = None
+        self.owner = os.getpid()  # a forked copy of the owner must leave these workers alone
         if self.method == "fork":
-            self._start(maker, pdeathsig=threading.current_thread() is threading.main_thread())
             self._starter = None
+            try:
+                self._start(maker, pdeathsig=threading.current_thread() is threading.main_thread())
+            except Exception as err:  # raised by the next batch asked for, not by a load that makes the pool
+                self._failure = err
         else:
             import cloudpickle
 
@@ -278,6 +282,8 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
+        if os.getpid() != self.owner:  # in a forked copy of the owner: the workers are the owner's
+            return
         if self._starter is not None:
             self._starter.join()
         for conn in self.conns:
