@@ -30,7 +30,7 @@ def fn_name(fn: Any) -> str:
     objclass = getattr(fn, "__objclass__", None)
     if isinstance(fn, (types.MethodDescriptorType, types.WrapperDescriptorType)) and objclass is not None:
         name = objclass.__name__
-        return f"{'Tensor' if name == 'TensorBase' else name}.{fn.__name__}"  # str.upper, Tensor.add
+        return f"{'Tensor' if name in ('TensorBase', '_TensorBase') else name}.{fn.__name__}"  # str.upper, Tensor.add
     if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, type)):
         qual = getattr(fn, "__qualname__", None) or fn.__name__
         if qual.startswith("_") and "." in qual and isinstance(fn, types.BuiltinFunctionType):
