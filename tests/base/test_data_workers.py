@@ -15,7 +15,7 @@ import time
 import numpy as np
 import psutil
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from flowvm import CALL, REPEAT, SEQ, Batches, Registers
 from flowvm.base.batching import sample_rng
@@ -54,12 +54,17 @@ def wait_gone(pids, seconds=5.0) -> bool:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(5, 41), batch_size=st.integers(1, 9), before=st.sampled_from([0, 1, 2, 3]),
        after=st.sampled_from([0, 1, 2]), prefetch=st.integers(1, 3),
-       cuts=st.lists(st.integers(0, 12), min_size=1, max_size=3))
-def test_resume_with_any_workers_at_any_cut_serves_the_same_batches(n, batch_size, before, after, prefetch, cuts):
+       cuts=st.lists(st.integers(0, 12), min_size=1, max_size=3), drop_last=st.booleans(),
+       world=st.sampled_from([1, 2, 3]))
+def test_resume_with_any_workers_at_any_cut_serves_the_same_batches(n, batch_size, before, after, prefetch, cuts,
+                                                                    drop_last, world):
     source = (X[:n], Y[:n])
-    total = 3 * len(Batches(source, batch_size=batch_size)) + 1  # over epoch ends
-    straight = served(Batches(source, batch_size=batch_size, seed=5, transform=jitter), total)
-    data = Batches(source, batch_size=batch_size, seed=5, transform=jitter, workers=before, prefetch=prefetch)
+    options = dict(batch_size=batch_size, seed=5, transform=jitter, drop_last=drop_last, rank=world - 1,
+                   world_size=world)
+    assume(len(range(world - 1, n, world)) >= (batch_size if drop_last else 1))
+    total = 3 * len(Batches(source, **options)) + 1  # over epoch ends
+    straight = served(Batches(source, **options), total)
+    data = Batches(source, workers=before, prefetch=prefetch, **options)
     got, taken = [], 0
     for cut in sorted(min(c, total) for c in cuts):
         got += served(data, cut - taken)

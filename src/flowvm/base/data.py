@@ -16,6 +16,14 @@ stopped between two ``next_batch()`` calls, pickled and loaded anywhere,
 serves exactly the batch it would have served next, without re-reading or
 skipping samples, whatever happens to the global random states meanwhile.
 
+The rest is configuration or cache: ``transform(sample, rng)`` draws from a
+generator seeded with ``(seed, epoch, index)`` (batching.py); ``workers=N``
+makes batches ahead in worker processes (workers.py), served in the order
+``workers=0`` serves them, and dropped when the object is pickled; ``rank``
+and ``world_size`` take every world_size-th entry of each epoch's order;
+``.npy`` files are memory-mapped shards (sources.py); DataLoaders in a
+program are handled by loaders.py (``Batches.next_from``).
+
 >>> import numpy as np
 >>> data = Batches(np.arange(10), batch_size=4, seed=0)
 >>> len(data), data.epoch, data.position
