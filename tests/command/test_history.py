@@ -91,3 +91,31 @@ def test_tensorboard_scalars_of_a_run_resumed_from_an_older_checkpoint_never_dou
     assert [s for s, _ in got] == [s for s, _ in expected]  # each step once, in order
     assert np.allclose([v for _, v in got], [v for _, v in expected])
     assert "explained/0" in events.Tags()["scalars"]
+
+
+def test_a_resumed_run_keeps_writing_where_the_run_it_continues_wrote(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for suffix in (".ckpt", ".safetensors"):
+        logs, ckpt, model = tmp_path / f"tb{suffix}", tmp_path / f"run{suffix}", tmp_path / f"pca{suffix}.npz"
+        flowvm_cmd("run", *PCA, "--checkpoint", ckpt, "--max-steps", "200", "--tensorboard", logs, "--output", model,
+                   "--progress", "none", cwd=tmp_path)
+        assert not model.exists()  # the run paused: no model yet
+        other = tmp_path / "elsewhere"
+        other.mkdir(exist_ok=True)
+        flowvm_cmd("resume", ckpt, "--progress", "none", cwd=other)  # no output option given again
+        events = EventAccumulator(str(logs))
+        events.Reload()
+        steps = [e.step for e in events.Scalars("batch")]
+        assert steps[-1] == 662 and steps == sorted(set(steps)) and min(steps) < 200, suffix
+        assert np.load(model)["components_"].shape == (2, 4)  # written where the run was told, at its end
+    # an option given anew replaces the recorded one, for this resume and the later ones
+    ckpt = tmp_path / "again.ckpt"
+    flowvm_cmd("run", *PCA, "--checkpoint", ckpt, "--max-steps", "100", "--tensorboard", tmp_path / "a",
+               "--progress", "none")
+    flowvm_cmd("resume", ckpt, "--max-steps", "100", "--tensorboard", tmp_path / "b", "--progress", "none")
+    flowvm_cmd("resume", ckpt, "--progress", "none")
+    events = EventAccumulator(str(tmp_path / "b"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("batch")][-1] == 662
+    assert flowvm.read_header(ckpt)["meta"]["outputs"] == {"tensorboard": str(tmp_path / "b")}

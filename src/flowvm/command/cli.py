@@ -47,6 +47,7 @@ from .common import KEY_ENV, check_checkpoint_path, check_output, checkpoint_loc
 from .runner import DEFAULT_EVERY_SECONDS, Stop, static_steps
 from .state_commands import cmd_resume_state, cmd_show_checkpoint, cmd_show_state
 from .sweeps import cmd_plot, cmd_sweep, start_dask
+from . import outputs
 
 
 def cmd_run(args) -> int:
@@ -70,6 +71,7 @@ def cmd_run(args) -> int:
     meta = {"target": target, "module": module.__name__, "sets": list(args.set),
             "show": list(getattr(module, "SHOW", [])), "threads": threads,
             "every": args.every, "every_seconds": args.every_seconds}
+    meta = outputs.record(args, meta)
     status = runner_for(args, drv, meta, args.checkpoint).run(args.max_steps)
     finish(drv, module, args.checkpoint, key_of(args) is not None)
     write_model(drv, module, args.output)
@@ -96,6 +98,7 @@ def cmd_resume(args) -> int:
     if args.threads is not None:
         drv.resume_with(settings={"torch.threads": args.threads})
     target = args.checkpoint if args.checkpoint is not None else args.path
+    meta = outputs.resume(args, meta)  # --tensorboard, --output: where the run wrote, unless given anew
     check_output(args.output)
     status = runner_for(args, drv, meta, target).run(args.max_steps)
     finish(drv, None if meta.get("search") else module, target, key is not None)

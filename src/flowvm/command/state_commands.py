@@ -9,6 +9,7 @@ from pathlib import Path
 from ..persist import state
 from .targets import build_program
 from ..persist import checkpoint
+from . import outputs
 from .common import (KEY_ENV, check_checkpoint_path, check_output, finish, key_of, module_of, printable,
                      registers_summary, runner_for, set_threads, trusted_header, write_model)
 
@@ -49,6 +50,7 @@ def cmd_resume_state(args) -> int:
     if args.threads is not None:
         drv.resume_with(settings={"torch.threads": args.threads})
     ckpt = args.checkpoint if args.checkpoint is not None else args.path
+    meta = outputs.resume(args, meta)  # --tensorboard, --output: where the run wrote, unless given anew
     check_output(args.output)
     status = runner_for(args, drv, meta, ckpt).run(args.max_steps)
     finish(drv, module, ckpt, key is not None)

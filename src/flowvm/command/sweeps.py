@@ -9,6 +9,7 @@ from typing import Any
 
 from ..persist import checkpoint
 from ..persist import state
+from . import outputs
 from .targets import load_module, parse_sets
 from .common import check_checkpoint_path, check_output, finish, is_state, key_of, refuse_to_overwrite, runner_for, write_model
 
@@ -72,6 +73,7 @@ def cmd_sweep(args) -> int:
             "metric": args.metric, "minimize": args.minimize, "sets": list(args.set), "trials": args.trials},
             "executor": executor, "scheduler": scheduler, "versions": args.versions, "show": ["best_metric"], "every": args.every,
             "every_seconds": args.every_seconds}
+    meta = outputs.record(args, meta)
     status = runner_for(args, drv, meta, args.checkpoint).run(args.max_steps)
     finish(drv, None, args.checkpoint, key_of(args) is not None)
     if drv.done:
