@@ -157,3 +157,31 @@ def test_an_iterator_over_a_plain_dataloader_is_refused_at_save():
     with pytest.raises(pickle.PicklingError, match="_SingleProcessDataLoaderIter"):
         pickle.dumps(REPEAT(1, CALL(next, reg("it"))).start())
     assert pickle.loads(pickle.dumps(REPEAT(1, CALL(len, loader)).start())) is not None  # the loader alone
+
+
+def test_state_files_keep_a_stateful_loaders_state_dict_and_batches_position(tmp_path):
+    import flowvm
+
+    built = []
+
+    def build():
+        data = Batches((np.arange(20.0), np.arange(20)), batch_size=3, seed=1, workers=2)
+        loader = ResumableLoader(torch.utils.data.TensorDataset(torch.arange(10.0)), 3)
+        reg = Registers(seen=[])
+        built.append(data)
+        return REPEAT(9, SEQ([CALL(Batches.next_from, loader, store_to=reg("b")),  # state files: in a CALL
+                              CALL(data.next_batch, store_to=reg("d")),
+                              CALL(lambda b, d, s: s + [b[0].tolist(), d[1].tolist()], reg("b"), reg("d"),
+                                   reg("seen"), store_to=reg("seen"))]))
+
+    straight = build().start()
+    straight.run()
+    drv = build().start()
+    drv.run(max_steps=7)  # 2 rounds and one batch of each source in
+    flowvm.save_state(drv, tmp_path / "run.safetensors")
+    again = flowvm.load_state(tmp_path / "run.safetensors", build())
+    again.run()
+    assert again.registers["seen"] == straight.registers["seen"]
+    assert again.registers["seen"][6] == [9.0]  # the loader's fourth batch, taken after the resume
+    for data in built:
+        data.close()
