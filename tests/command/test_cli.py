@@ -274,6 +274,8 @@ def test_the_registers_summary_gives_scalars_their_value_and_survives_odd_values
     assert "  loss             Tensor     0.25 float32" in text and "  acc              float64    0.5 float64" in text
     assert "  cls              type       <class 'numpy.ndarray'>" in text
     assert "  x                ndarray    shape (2, 3) float32" in text
+    text = registers_summary({"one": [1.5], "two": (1, 2)})
+    assert "  one              list       1 item of float" in text and "  two              tuple      2 items" in text
 
 
 def test_verify_prints_the_program_and_its_step_count():

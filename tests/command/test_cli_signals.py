@@ -116,10 +116,11 @@ def test_sigint_and_sigterm_save_and_exit_cleanly(sig, tmp_path):
     proc = start("rbm", ckpt)
     wait_for(ckpt, proc)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
     header = flowvm.read_header(ckpt)
     name = signal.Signals(sig).name
+    assert "paused at step" not in out  # the stop is said once, on stderr
     assert f"flowvm: stopped by {name} at step {header['steps']}; saved to {ckpt}, continue with " \
            f"`flowvm resume {ckpt}`" in err
     assert not header["done"] and 0 < header["steps"] < expected["steps"]

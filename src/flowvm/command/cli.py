@@ -73,7 +73,7 @@ def cmd_run(args) -> int:
             "every": args.every, "every_seconds": args.every_seconds}
     meta = outputs.record(args, meta)
     status = runner_for(args, drv, meta, args.checkpoint).run(args.max_steps)
-    finish(drv, module, args.checkpoint, key_of(args) is not None)
+    finish(drv, module, args.checkpoint, key_of(args) is not None, status)
     write_model(drv, module, args.output)
     return status
 
@@ -101,7 +101,7 @@ def cmd_resume(args) -> int:
     meta = outputs.resume(args, meta)  # --tensorboard, --output: where the run wrote, unless given anew
     check_output(args.output)
     status = runner_for(args, drv, meta, target).run(args.max_steps)
-    finish(drv, None if meta.get("search") else module, target, key is not None)
+    finish(drv, None if meta.get("search") else module, target, key is not None, status)
     if meta.get("search") and drv.done:
         print(module.search_report(drv.registers))
     write_model(drv, module, args.output)

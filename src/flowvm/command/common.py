@@ -44,7 +44,11 @@ def write_model(drv: Driver, module: ModuleType | None, path: str | None) -> Non
     print(f"model written to {path}")
 
 
-def finish(drv: Driver, module: ModuleType | None, ckpt: Path | str | None, signed: bool = False) -> None:
+def finish(drv: Driver, module: ModuleType | None, ckpt: Path | str | None, signed: bool = False,
+           status: int = 0) -> None:
+    """The end of a command's run: its report, or where it paused (a run stopped by a signal has said so)."""
+    if not drv.done and status >= 128:
+        return
     if not drv.done:
         hint = f"; continue with `flowvm resume {ckpt}`" if ckpt is not None else ""
         if hint and signed:
@@ -76,7 +80,7 @@ def describe_value(value: Any) -> tuple[str, str]:
         return kind, f"shape {shape} {dtype}".rstrip()
     if isinstance(value, (list, tuple, dict)):
         inner = sorted({type(v).__name__ for v in (value.values() if isinstance(value, dict) else value)})
-        what = f"{len(value)} items" + (f" of {', '.join(inner[:3])}" if inner else "")
+        what = f"{len(value)} item{'' if len(value) == 1 else 's'}" + (f" of {', '.join(inner[:3])}" if inner else "")
         if isinstance(value, dict):
             what += ": keys " + fmt(list(value)[:6], 50)
         return kind, what

@@ -53,7 +53,7 @@ def cmd_resume_state(args) -> int:
     meta = outputs.resume(args, meta)  # --tensorboard, --output: where the run wrote, unless given anew
     check_output(args.output)
     status = runner_for(args, drv, meta, ckpt).run(args.max_steps)
-    finish(drv, module, ckpt, key is not None)
+    finish(drv, module, ckpt, key is not None, status)
     write_model(drv, module, args.output)
     return status
 

@@ -75,7 +75,7 @@ def cmd_sweep(args) -> int:
             "every_seconds": args.every_seconds}
     meta = outputs.record(args, meta)
     status = runner_for(args, drv, meta, args.checkpoint).run(args.max_steps)
-    finish(drv, None, args.checkpoint, key_of(args) is not None)
+    finish(drv, None, args.checkpoint, key_of(args) is not None, status)
     if drv.done:
         print(sweep.search_report(drv.registers))
     write_model(drv, sweep, args.output)
