@@ -49,10 +49,10 @@ def test_files_npy_npz_and_csv_with_a_header_and_a_label_column(tmp_path):
 
 
 @pytest.mark.parametrize("text, words", [
-    ("1,2\n3,nan\n", "row 1, column 1 holds nan"),
-    ("1,2\n3,inf\n", "row 1, column 1 holds inf"),
+    ("1,2\n3,nan\n", "row 2, column 2 holds nan"),
+    ("1,2\n3,inf\n", "row 2, column 2 holds inf"),
     ("1,2\n3,4,5\n", "line 2 has 3 values, the first row 2"),
-    ("a,b\n1,2\n3,x\n", "line 3, column 1 ('b') holds 'x', not a number"),
+    ("a,b\n1,2\n3,x\n", "line 3, column 2 ('b') holds 'x', not a number"),
 ])
 def test_bad_csv_files_name_the_row_and_column(tmp_path, text, words):
     (tmp_path / "bad.csv").write_text(text)
@@ -63,13 +63,13 @@ def test_bad_csv_files_name_the_row_and_column(tmp_path, text, words):
 
 def test_bad_labels_and_arrays_are_refused_before_any_run():
     x = np.ones((4, 2))
-    with pytest.raises(DataError, match=r"label of row 1 is 0.5, not an integer class"):
+    with pytest.raises(DataError, match=r"label of row 2 is 0.5, not an integer class"):
         load_data((x, np.array([0, 0.5, 1, 1])))
     with pytest.raises(DataError, match="class 1 has no sample"):
         load_data((x, np.array([0, 2, 2, 0])))
-    with pytest.raises(DataError, match="label of row 2 is -1"):
+    with pytest.raises(DataError, match="label of row 3 is -1"):
         load_data((x, np.array([0, 1, -1, 0])))
-    with pytest.raises(DataError, match=r"row 3, column 0 holds nan"):
+    with pytest.raises(DataError, match=r"row 4, column 1 holds nan"):
         load_data(np.array([[1.0, 2], [1, 2], [1, 2], [np.nan, 2]]))
     with pytest.raises(DataError, match="rows of different lengths"):
         load_data([[1, 2], [3]])

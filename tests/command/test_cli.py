@@ -447,3 +447,14 @@ def test_version_and_the_help_of_targets_and_options():
             or command == "sweep" and "VALUE a Python literal" in text, text
     assert "a bundled program's name (flowvm list), a module name (mypkg.train) or a .py file" in \
         " ".join(flowvm_cmd("verify", "--help").stdout.split())
+
+
+def test_bad_data_is_flowvms_own_error_one_line_and_status_2_naming_the_program_not_its_path(tmp_path):
+    (tmp_path / "points.csv").write_text("a,b\n1,2\n3,x\n")
+    out = flowvm_cmd("run", "kmeans", "--data", tmp_path / "points.csv", check=False)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == f"flowvm: kmeans: {tmp_path / 'points.csv'}: line 3, column 2 ('b') holds 'x', " \
+                                 "not a number"
+    out = flowvm_cmd("run", "kmeans", "--set", "clusters=0", check=False)
+    assert out.returncode != 0 and out.stderr.startswith("flowvm: kmeans: build() rejected --set clusters=0")
+    assert "site-packages" not in out.stderr and "kmeans.py" not in out.stderr

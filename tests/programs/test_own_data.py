@@ -50,7 +50,7 @@ def test_kmeans_on_data_resumes_exactly_and_refuses_too_few_distinct_points():
     assert_same_run(lambda: kmeans.build(data=x, clusters=3, restarts=2), seed=5)
     with pytest.raises(DataError, match="4 clusters need at least 4 distinct points; the data has 3"):
         kmeans.build(data=np.repeat(np.eye(3), 5, axis=0), clusters=4)
-    with pytest.raises(DataError, match="row 2, column 1 holds nan"):
+    with pytest.raises(DataError, match="row 3, column 2 holds nan"):
         kmeans.build(data=np.array([[0, 1.0], [1, 2], [2, np.nan]]), clusters=2)
 
 

@@ -76,16 +76,16 @@ def test_rbm_on_data_resumes_exactly_from_any_step():
 
 def test_rbm_refuses_data_outside_0_1_naming_row_and_column(tmp_path):
     raw = load_digits().data  # pixel values 0..16
-    with pytest.raises(DataError, match=r"rbm data: row 0, column 2 holds 5\.0; a Bernoulli RBM needs every value "
+    with pytest.raises(DataError, match=r"rbm data: row 1, column 3 holds 5\.0; a Bernoulli RBM needs every value "
                                         r"in \[0, 1\] \(this data runs from 0\.0 to 16\.0"):
         rbm.build(data=raw)
     x = digits01()[:20]
     x[7, 3] = -0.25
     np.savetxt(tmp_path / "pixels.csv", x, delimiter=",")
-    with pytest.raises(DataError, match=r"pixels\.csv: row 7, column 3 holds -0\.25"):
+    with pytest.raises(DataError, match=r"pixels\.csv: row 8, column 4 holds -0\.25"):
         rbm.build(data=tmp_path / "pixels.csv")
     x[7, 3] = np.nan
-    with pytest.raises(DataError, match=r"row 7, column 3 holds nan"):
+    with pytest.raises(DataError, match=r"row 8, column 4 holds nan"):
         rbm.build(data=x)
 
 
@@ -168,9 +168,9 @@ def test_mlp_refuses_labels_that_are_not_the_classes_0_to_c_minus_1(tmp_path):
     x, y = standardized(load_iris)
     with pytest.raises(DataError, match=r"class 0 has no sample \(labels run from 0 to 3\)"):
         mlp.build(data=(x, y + 1))
-    with pytest.raises(DataError, match=r"label of row 0 is 0\.5, not an integer class"):
+    with pytest.raises(DataError, match=r"label of row 1 is 0\.5, not an integer class"):
         mlp.build(data=(x, y + 0.5))
-    with pytest.raises(DataError, match=r"label of row 50 is -1, not a class 0..C-1"):
+    with pytest.raises(DataError, match=r"label of row 51 is -1, not a class 0..C-1"):
         mlp.build(data=(x, np.where(y == 1, -1, y)))
     with pytest.raises(DataError, match=r"mlp data: this program needs labels: give \(x, y\)"):
         mlp.build(data=x)
@@ -184,7 +184,7 @@ def test_mlp_refuses_labels_that_are_not_the_classes_0_to_c_minus_1(tmp_path):
     text = (tmp_path / "iris.csv").read_text().splitlines()
     text[3] = text[3].rsplit(",", 1)[0] + ",setosa"
     (tmp_path / "named.csv").write_text("\n".join(text) + "\n")
-    with pytest.raises(DataError, match=r"named\.csv: line 4, column 4 \('species'\) holds 'setosa', not a number"):
+    with pytest.raises(DataError, match=r"named\.csv: line 4, column 5 \('species'\) holds 'setosa', not a number"):
         mlp.build(data=tmp_path / "named.csv")
     with pytest.raises(ValueError, match="label= names the label column of a .csv file"):
         mlp.build(data=(x, y), label="species")

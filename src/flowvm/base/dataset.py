@@ -4,7 +4,8 @@
 ``load_data(data)`` returns a ``Data``: ``x`` (a 2-d float array: one row per sample), ``y`` (integer labels
 0..C-1, or None) and ``source`` (where it came from, for messages).  Bad data raises ``DataError`` naming the
 file, row or column: NaN or infinite values, ragged rows, a non-numeric column, labels that are not integers
-0..C-1.
+0..C-1.  Rows, columns and a file's lines are counted from 1 in these messages, as an editor or a spreadsheet
+shows them.
 
 A ``.npy`` file is memory-mapped, not read: its ``x`` is a ``FileArray``, which a checkpoint (or any pickle)
 stores as a reference to the file (its path, size and a digest of its header and first and last blocks),
@@ -104,7 +105,7 @@ def _check_finite(x: np.ndarray, source: str) -> None:
     bad = ~np.isfinite(x)
     if bad.any():
         row, col = np.argwhere(bad)[0] if x.ndim == 2 else (int(np.argwhere(bad)[0][0]), 0)
-        raise DataError(f"{source}: row {int(row)}, column {int(col)} holds {x[row, col] if x.ndim == 2 else x[row]} "
+        raise DataError(f"{source}: row {int(row) + 1}, column {int(col) + 1} holds {x[row, col] if x.ndim == 2 else x[row]} "
                         "(NaN and infinite values are not allowed)")
 
 
@@ -140,13 +141,13 @@ def _labels(y: Any, n: int, source: str) -> np.ndarray:
     if y.dtype.kind == "f":
         if not np.isfinite(y).all() or (y != np.round(y)).any():
             row = int(np.argwhere(~np.isfinite(y) | (y != np.round(y)))[0][0])
-            raise DataError(f"{source}: label of row {row} is {y[row].item()!r}, not an integer class 0..C-1")
+            raise DataError(f"{source}: label of row {row + 1} is {y[row].item()!r}, not an integer class 0..C-1")
     elif y.dtype.kind not in "iub":
         raise DataError(f"{source}: labels of type {y.dtype} are not integer classes 0..C-1")
     y = y.astype(np.int64)
     if (y < 0).any():
         row = int(np.argwhere(y < 0)[0][0])
-        raise DataError(f"{source}: label of row {row} is {y[row]}, not a class 0..C-1")
+        raise DataError(f"{source}: label of row {row + 1} is {y[row]}, not a class 0..C-1")
     missing = sorted(set(range(int(y.max()) + 1)) - set(np.unique(y).tolist()))
     if missing:
         raise DataError(f"{source}: labels must be the classes 0..C-1 with each present; class "
@@ -213,7 +214,7 @@ def _append_row(values: array, row: list, width: int, header: list | None, path:
         try:
             values.append(float(cell))
         except ValueError:
-            name = f"column {j}" + (f" ({header[j]!r})" if header else "")
+            name = f"column {j + 1}" + (f" ({header[j]!r})" if header else "")
             raise DataError(f"{path}: line {line}, {name} holds {cell.strip()[:60]!r}, not a number") from None
 
 

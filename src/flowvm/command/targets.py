@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from ..program.elements import Element
+from ..base.errors import DataError
 
 
 # ------------------------------------------------------------------ targets
@@ -126,15 +127,25 @@ def build_program(target: str, sets: list[str]):
     options = parse_sets(sets, module.build)
     try:
         program = module.build(**options)
+    except DataError as err:  # the user's data, refused: flowvm's own error (status 2), the data named
+        raise DataError(f"{_program_name(target, module)}: {err}") from None
     except (TypeError, ValueError) as err:
-        where = getattr(module, "__file__", None) or module.__name__
         given = " ".join(f"--set {s}" for s in sets) or "its defaults"
-        raise SystemExit(f"flowvm: build() in {where} rejected {given}: {type(err).__name__}: {err}") from err
+        raise SystemExit(f"flowvm: {_program_name(target, module)}: build() rejected {given}: "
+                         f"{type(err).__name__}: {err}") from err
     if not isinstance(program, Element):
         where = getattr(module, "__file__", None) or module.__name__
         raise SystemExit(f"flowvm: build() in {where} returned {type(program).__name__} {program!r:.60}, "
                          "not a flowvm program (an element such as SEQ([...]))")
     return module, program
+
+
+def _program_name(target: str, module: ModuleType) -> str:
+    """The program as the user named it: a bundled program's name (not its path in site-packages), a module's
+    name, a .py file's path."""
+    if module.__name__.startswith("flowvm.programs."):
+        return module.__name__.removeprefix("flowvm.programs.")
+    return target
 
 
 def bundled_programs() -> list[tuple[str, str, str]]:

@@ -153,7 +153,7 @@ def check_unit_interval(data) -> None:
     bad = (x < 0) | (x > 1)
     if bad.any():
         row, col = (int(i) for i in np.argwhere(bad)[0])
-        raise DataError(f"{data.source}: row {row}, column {col} holds {float(x[row, col])!r}; a Bernoulli RBM "
+        raise DataError(f"{data.source}: row {row + 1}, column {col + 1} holds {float(x[row, col])!r}; a Bernoulli RBM "
                         f"needs every value in [0, 1] (this data runs from {float(x.min())!r} to "
                         f"{float(x.max())!r}: scale it, e.g. divide by its largest value)")
 
