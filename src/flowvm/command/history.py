@@ -19,24 +19,24 @@ class History:
     writer fed with every point recorded since the last ``sync``."""
 
     def __init__(self, drv, meta: dict, names: list[str], tensorboard: str | None = None):
-        if drv._watch is None and meta.get("history"):  # a checkpoint whose run kept its history in meta only
+        if drv.watched is None and meta.get("history"):  # a checkpoint whose run kept its history in meta only
             history.adopt(drv, meta["history"])
         drv.watch(*names)
         self.drv = drv
-        meta["history"] = drv._watch  # the same dict: every save writes the points so far
-        self.sent = {name: len(points) for name, points in drv._watch["points"].items()}
+        meta["history"] = drv.watched  # the same dict: every save writes the points so far
+        self.sent = {name: len(points) for name, points in drv.watched["points"].items()}
         self.writer = None
         if tensorboard is not None:
             # points past the step the run resumes from were written by a run that was stopped: dropped
             self.writer = ScalarWriter(tensorboard, purge_step=drv.steps if drv.steps else None)
             self.sent = {name: sum(1 for p in points if p[0] < drv.steps)
-                         for name, points in drv._watch["points"].items()}
+                         for name, points in drv.watched["points"].items()}
 
     def sync(self) -> None:
         """Write the points recorded since the last call to TensorBoard."""
         if self.writer is None:
             return
-        for name, points in self.drv._watch["points"].items():
+        for name, points in self.drv.watched["points"].items():
             start = min(self.sent.get(name, 0), len(points))  # (a coarsened history has fewer points)
             for step, value in points[start:]:
                 if isinstance(value, list):

@@ -379,9 +379,9 @@ def become(root: Element, edited: Element) -> Element:
     root.__dict__.clear()
     root.__dict__.update(edited.__getstate__())
     from ..machine.running import refresh_drivers_holding
-    from ..program.elements import _EDITS
+    from ..program.elements import subtrees_changed
 
-    _EDITS[0] += 1  # the subtrees of everything holding root changed: their analyses are stale
+    subtrees_changed()  # the subtrees of everything holding root changed: their analyses are stale
     refresh_drivers_holding(root)
     return root
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 from time import monotonic
 
 from .compile import leaf_function
-from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, WEAVE_ACTIVE, next_turn, pass_turn,
+from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, WEAVE_ACTIVE, end_turn, pass_turn,
                      repeat_counted, repeat_seq_counted, rotate_weaves, seq_finished, seq_restarted, seq_moved,
-                     turn_used)
+                     set_turn_credit, turn_credit, turn_used)
 
 
 # False: the driver takes none of these paths (nor the move to a next sibling); for the tests that compare
@@ -106,24 +106,28 @@ def repeat_seq(drv, fs: tuple, limit, deadline: float | None = None) -> int:
 
 def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int:
     """``repeat_leaf`` and ``repeat_seq`` inside WEAVEs: after each leaf the WEAVEs around it count the step
-    of their active child's turn and pick the next child when it is used up (``frames.next_turn``,
-    ``frames.take_turn``), as settling would.  The loop goes on while each WEAVE picks its active child
+    of their active child's turn and pick the next child when it is used up (``frames.end_turn``,
+    ``frames.turn_used``), as settling would.  The loop goes on while each WEAVE picks its active child
     again, and stops when a turn passes to another child, after settling the driver into it (or at the step
     limit, the deadline, or one step before the REPEAT's last iteration).  Returns the steps taken."""
     weaves, rep, seq = woven
+    regs = drv.registers
     stack = drv._stack
     if seq is None:
         leaves = [drv._leaf]
         last = pos = 0
     else:
-        leaves = [leaf_function(c, drv.registers) for c in seq[ELEMENT].elements]
+        leaves = [leaf_function(c, regs) for c in seq[ELEMENT].elements]
         last, pos = len(leaves) - 1, seq[SEQ_POS]
     i, n, value = rep[REPEAT_I], rep[REPEAT_N], rep[REPEAT_LAST]
+    counter = rep[ELEMENT].counter
+    name = counter.name if counter is not None else None
     budget = limit - drv.steps
     ran = 0
     passed = False
     timed = deadline is not None
-    weave = weaves[0] if len(weaves) == 1 else None  # one WEAVE around: its turn counted by next_turn
+    weave = weaves[0] if len(weaves) == 1 else None  # one WEAVE around: its active child's credit counted here
+    left = turn_credit(weave) if weave is not None else 0
     try:
         while ran < budget and (pos != last or i != n - 1):
             if timed and ran and monotonic() >= deadline:
@@ -133,19 +137,28 @@ def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int
             if pos == last:  # the leaf, or the SEQ, finished an iteration of the REPEAT
                 i += 1
                 value = v
-                repeat_counted(drv, rep, i, value)
+                if name is not None:
+                    regs[name] = i
                 pos = 0
             else:
                 pos += 1
             if weave is not None:
-                j = next_turn(weave)
-                if j == weave[WEAVE_ACTIVE]:
+                left -= 1
+                if left >= 1:
                     continue
+                a = weave[WEAVE_ACTIVE]
+                j = end_turn(weave, left)  # the turn is used up: the next child, as frames.weave_pick picks it
+                if j == a:
+                    left = turn_credit(weave)
+                    continue
+                weave = None  # its credits are written
+                repeat_counted(drv, rep, i, value)
                 _settled_before_turn(stack, seq, pos)
-                pass_turn(drv, weave, j)
+                pass_turn(drv, weaves[0], j)
                 passed = True
                 break
             if turn_used(weaves):  # the frames as settling leaves them before the turn, then the turn
+                repeat_counted(drv, rep, i, value)
                 _settled_before_turn(stack, seq, pos)
                 passed = rotate_weaves(drv, weaves)
                 if passed:
@@ -153,12 +166,15 @@ def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int
                 if seq is not None and not pos:
                     seq_restarted(stack, seq)
     finally:
+        if weave is not None:
+            set_turn_credit(weave, left)
         if ran and not passed:
             if seq is not None:
                 repeat_seq_counted(stack, rep, seq, i, value, pos)
                 drv._leaf = leaves[pos]
                 drv._fresh = len(stack) - 2 if pos == 0 else None
             else:
+                repeat_counted(drv, rep, i, value)
                 drv._fresh = None
         drv.steps += ran
     if passed:  # settle into the child whose turn it is, as the step that ended the turn would

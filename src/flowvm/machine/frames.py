@@ -525,17 +525,21 @@ def turn_used(weaves: list) -> bool:
     return due
 
 
-def next_turn(fr: list) -> int:
-    """One step of the active child's turn in the WEAVE frame fr: the child whose turn comes next (the
-    active one again while its turn lasts; else as ``weave_pick``, which gives the skipped children their
-    credits)."""
-    credits = fr[WEAVE_CREDITS]
-    a = fr[WEAVE_ACTIVE]
-    c = credits[a] - 1
-    credits[a] = c
-    if c >= 1:
-        return a
-    return weave_pick(fr, a + 1)
+def turn_credit(fr: list) -> float:
+    """The credit of a WEAVE frame's active child: the steps left in its turn, while it is >= 1."""
+    return fr[WEAVE_CREDITS][fr[WEAVE_ACTIVE]]
+
+
+def set_turn_credit(fr: list, credit: float) -> None:
+    """The active child of the WEAVE frame fr took steps of its turn (counted by a fast path): its credit."""
+    fr[WEAVE_CREDITS][fr[WEAVE_ACTIVE]] = credit
+
+
+def end_turn(fr: list, credit: float) -> int:
+    """The active child of the WEAVE frame fr used its turn up, leaving credit (< 1): the child whose turn
+    comes next (picked as ``weave_pick`` picks it, which may be the same child again)."""
+    set_turn_credit(fr, credit)
+    return weave_pick(fr, fr[WEAVE_ACTIVE] + 1)
 
 
 # ------------------------------------------------------------- hot patches' frame edits

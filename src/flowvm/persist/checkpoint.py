@@ -137,7 +137,7 @@ def _write(f, driver, key, path, meta=None) -> None:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": driver.steps, "done": driver.done,
         "program": driver.program.kind, "payload_bytes": payload_bytes, "signed": key is not None, "meta": meta or {},
         "buffers": [[raw.nbytes, kind] for raw, kind in buffers],
-        "settings": driver._resume_for_copy()["settings"],  # what it resumes with (plain data, for show)
+        "settings": driver.copy_environment()["settings"],  # what it resumes with (plain data, for show)
         **({"bytecode": bytecode} if bytecode else {}),  # the Python whose bytecode the payload holds
     }).encode()
     head = MAGIC + struct.pack(">I", len(header)) + header
@@ -241,8 +241,8 @@ def _unpickle(checked: Verified, path, key: bytes | None, restore_random: bool, 
     if not isinstance(driver, Driver):
         raise CheckpointError(path, f"unpickles to a {type(state).__name__}{' without a driver' if isinstance(state, dict) else ''}"
                                     ": the file holds no flowvm run")
-    if driver._resume is None and "rng" in state:  # written before copies carried their own states
-        driver._resume = {"random": check_random(state["rng"], path), "settings": {}, "announce": True}
+    if driver.saved_environment is None and "rng" in state:  # written before copies carried their own states
+        driver.saved_environment = {"random": check_random(state["rng"], path), "settings": {}, "announce": True}
     return driver.resume_with(random=restore_random, settings=restore_settings)
 
 

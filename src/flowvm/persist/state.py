@@ -44,7 +44,7 @@ from ..base.environment import check_random, check_settings
 from ..base.errors import CheckpointError, CopyWarning
 from ..base.sentinels import NOVALUE
 from ..base.version import __version__
-from ..machine import history
+from ..machine.driver import RunState
 from ..machine.frames import WEAVE_SEGMENTS, child_index, marks
 from ..program.analysis import all_registers
 from ..program.elements import WEAVE, Element
@@ -115,14 +115,15 @@ def collect(driver, path: Any = "<state>", signed: bool = False, meta: dict | No
         objects = [[loc, enc.value(obj, f"objects/{loc}")] for loc, obj in roots(program)]
         enc.objects_allowed = False
         registers = [[name, enc.value(v, f"registers/{name}")] for name, v in driver.registers.items()]
-        run = {"steps": driver.steps, "done": driver.done, "ready": driver._ready, "rotate": driver._rotate,
-               "fresh": driver._fresh, "result": enc.value(driver.result, "run/result"),
-               "stack": _frames(enc, driver._stack, ())}
-        if driver._carry is not NOVALUE:
-            run["carry"] = enc.value(driver._carry, "run/carry")
-        if driver._watch is not None:
-            run["history"] = enc.value(driver._watch, "run/history")
-        env = driver._resume_for_copy()
+        state = driver.snapshot()
+        run = {"steps": state.steps, "done": state.done, "ready": state.ready, "rotate": state.rotate,
+               "fresh": state.fresh, "result": enc.value(state.result, "run/result"),
+               "stack": _frames(enc, state.frames, ())}
+        if state.carry is not NOVALUE:
+            run["carry"] = enc.value(state.carry, "run/carry")
+        if state.history is not None:
+            run["history"] = enc.value(state.history, "run/history")
+        env = state.environment
         environment = {"random": enc.value(env["random"], "environment/random"), "settings": env["settings"]}
     except Refused as err:
         raise CheckpointError(path, f"cannot save the run's state: {err}") from None
@@ -132,7 +133,7 @@ def collect(driver, path: Any = "<state>", signed: bool = False, meta: dict | No
                       "gradients: run the forward pass and backward() in one CALL, or save between steps that do "
                       "not hold such a tensor", CopyWarning, stacklevel=3)
     doc = enc.finish({"objects": objects, "registers": registers, "run": run, "environment": environment})
-    run["marks"] = [[format_path(p), g, c] for p, (g, c) in marks(driver._stack).items()] if not driver.done else []
+    run["marks"] = [[format_path(p), g, c] for p, (g, c) in marks(state.frames).items()] if not driver.done else []
     shape = structure(program)
     header = {"format": FORMAT, "flowvm": __version__, "python": platform.python_version(),
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": driver.steps, "done": driver.done,
@@ -225,23 +226,22 @@ def _restore(loaded, program: Element, path: Any, allowed: dict):
             raise ValueError(f"fresh is {fresh!r:.40}, expected None or an int in [0, {len(stack)}]")
     except (KeyError, TypeError, ValueError, LookupError) as err:
         raise CheckpointError(path, f"malformed: the run's frames cannot be read ({str(err)[:300]})") from None
-    drv.steps, drv.done, drv._ready, drv._rotate, drv._fresh = steps, done, ready, rotate, fresh
-    drv.result = dec.value(run.get("result"), "run/result")
-    drv._carry = dec.value(run["carry"], "run/carry") if "carry" in run else NOVALUE
-    drv._stack = stack
-    try:
-        history.adopt(drv, dec.value(run["history"], "run/history") if "history" in run else None)
-    except ValueError:
-        raise CheckpointError(path, "malformed: the run's history cannot be read") from None
+    result = dec.value(run.get("result"), "run/result")
+    carry = dec.value(run["carry"], "run/carry") if "carry" in run else NOVALUE
+    saved_history = dec.value(run["history"], "run/history") if "history" in run else None
     env = parts["environment"]
     try:
         random_state = check_random(dec.value(env["random"], "environment/random"), path)
         settings = check_settings(env["settings"], path)
     except (KeyError, TypeError):
         raise CheckpointError(path, "malformed: the environment cannot be read") from None
-    drv.invalidate()
-    drv._resume = {"random": random_state, "settings": settings, "announce": True}
-    return drv
+    state = RunState(steps=steps, done=done, result=result, frames=stack, carry=carry, ready=ready, rotate=rotate,
+                     fresh=fresh, history=saved_history,
+                     environment={"random": random_state, "settings": settings, "announce": True})
+    try:
+        return drv.restore(state)
+    except ValueError:
+        raise CheckpointError(path, "malformed: the run's history cannot be read") from None
 
 
 def _unframes(dec: Decoder, nodes: list, program: Element, base: tuple, path: Any, steps: int) -> list:

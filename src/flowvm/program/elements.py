@@ -47,6 +47,11 @@ if TYPE_CHECKING:
 _EDITS = [0]  # in-place edits so far (flowvm.editing.edit.become): subtree caches older than the last are stale
 
 
+def subtrees_changed() -> None:
+    """An element was edited in place (flowvm.editing.edit): every subtree cache (``_cached_subtree``) is stale."""
+    _EDITS[0] += 1
+
+
 @stable("flowvm")
 class Element:
     """Base class of all elements."""
