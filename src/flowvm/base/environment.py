@@ -93,12 +93,13 @@ def check_random(state: Any, where: Any = "<copy>") -> dict:
     for name in ("torch", "torch_cuda"):
         if name not in state:
             continue
+        torch = sys.modules.get("torch")
         try:
-            import torch
-        except ImportError:
-            continue  # nothing here can draw from torch's generators; a run that uses torch names it on load
-        try:
-            if name == "torch":
+            if torch is None:  # not imported here (a numpy-only run): kept as bytes, never imported for it;
+                # set, and checked by torch, only if the run imports torch by its first step
+                out[name] = _torch_state_bytes(state[name]) if name == "torch" \
+                    else [_torch_state_bytes(s) for s in state[name]]
+            elif name == "torch":
                 out[name] = _torch_state_bytes(state[name])
                 torch.Generator().set_state(_torch_tensor(out[name]))
             else:
