@@ -365,10 +365,53 @@ def abandon(drv, fr) -> None:
                 el.abandon(drv, sub)
 
 
-START = {SEQ: _start_seq, REPEAT: _start_repeat, BUFFER: _start_buffer, LOOP: _start_loop,
-          WHILE: _start_while, SWITCH: _start_switch, WEAVE: _start_weave}
-NEXT = {SEQ: _next_seq, REPEAT: _next_repeat, BUFFER: _next_buffer, LOOP: _next_loop,
-         WHILE: _next_while, SWITCH: _next_switch, WEAVE: _next_weave}
+class Moves(dict):
+    """A table of moves by element class.  A class without an entry takes its nearest base class's (looked up
+    along the MRO once, then kept), so a subclass of a kind moves as that kind; a class with none is a
+    FlowError naming it."""
+
+    def __init__(self, what: str, entries: dict):
+        super().__init__(entries)
+        self.what = what
+
+    def __missing__(self, cls: type) -> Callable:
+        for base in cls.__mro__[1:]:
+            if base in self:
+                move = self[cls] = dict.__getitem__(self, base)
+                return move
+        raise FlowError(f"{getattr(cls, 'kind', cls.__name__)} is a container kind with no moves: "
+                        f"register them with flowvm.machine.frames.register_container (docs/containers.md)")
+
+
+START = Moves("start", {SEQ: _start_seq, REPEAT: _start_repeat, BUFFER: _start_buffer, LOOP: _start_loop,
+                        WHILE: _start_while, SWITCH: _start_switch, WEAVE: _start_weave})
+NEXT = Moves("next", {SEQ: _next_seq, REPEAT: _next_repeat, BUFFER: _next_buffer, LOOP: _next_loop,
+                      WHILE: _next_while, SWITCH: _next_switch, WEAVE: _next_weave})
+
+
+def register_container(cls: type, start: Callable, next: Callable) -> type:
+    """Make cls (an Element subclass with children, written anywhere) a container the driver runs:
+    ``start(driver, frame)`` enters it, ``next(driver, frame, value)`` takes the value of its finished child.
+    Each returns ``push(driver, child)`` to run a child next, or the container's own value when it is
+    finished.  ``frame`` is a list: ``frame[0]`` the element, the rest the container's own counters (plain
+    data: ints, lists, values), appended by ``start``; it is what a copy of the run keeps.  Returns cls.
+    docs/containers.md has a worked example."""
+    if not (isinstance(cls, type) and issubclass(cls, Element)) or cls.is_leaf:
+        raise TypeError(f"register_container: expected a container Element class, got {cls!r:.60}")
+    if not (callable(start) and callable(next)):
+        raise TypeError(f"register_container: start and next of {cls.__name__} must be functions")
+    for table in (START, NEXT):  # drop what subclasses took from a base before
+        for known in [k for k in table if issubclass(k, cls) and k is not cls]:
+            del table[known]
+    START[cls], NEXT[cls] = start, next
+    return cls
+
+
+def push(drv, child: Element) -> Any:
+    """Run child next (a container's move): its frame goes on top of the stack; returns PUSHED, what the move
+    returns."""
+    drv._stack.append([child])
+    return PUSHED
 
 
 # ------------------------------------------------------------------------ settling

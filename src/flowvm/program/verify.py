@@ -152,7 +152,14 @@ def _check(el: Element, path: tuple, before: frozenset, program: Element) -> fro
             others = frozenset().union(*(w for j, w in enumerate(all_writes) if j != i))
             after |= _check(child, path + (i,), before | others, program)
         return frozenset(after)
-    raise TypeError(f"unknown element kind {type(el).__name__} at path '{format_path(path)}'")
+    if not isinstance(el, Element):
+        raise TypeError(f"unknown element kind {type(el).__name__} at path '{format_path(path)}'")
+    # a container kind written outside flowvm (docs/containers.md): its children are checked in order, each
+    # against what the children before it may write (a child that runs again only adds writes)
+    _check_reads(el, path, before, program)
+    for i, child in enumerate(el.children):
+        before = _check(child, path + (i,), before, program)
+    return before | {r.name for r in el.own_writes()}
 
 
 # ------------------------------------------------ instances (flowvm.editing.namespaces) that write one register
