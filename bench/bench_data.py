@@ -15,7 +15,9 @@ Preparation dominates: about 64 ms of augmentation per batch against a few ms of
 
 Each pipeline is started and warmed up (its workers running, a few batches taken) before it is timed;
 a round times ``--batches`` training steps of each pipeline in turn (the order rotating between rounds),
-and the figure is the median over rounds of samples per second.  Every pipeline gives each sample the
+and the figures are the medians over rounds of samples per second and of the CPU time per sample
+spent by the main process and the pipeline's workers together (what the pipeline costs, whatever else
+runs on the machine: on a loaded machine the throughputs say little, the CPU times still compare).  Every pipeline gives each sample the
 same augmentation work; the DataLoader's workers keep running across epochs (persistent_workers) as
 Batches' do.  torch runs one thread in the main process and in the workers (as DataLoader's workers do).
 
@@ -115,12 +117,12 @@ def model_and_step():
 
 
 def pipelines(images, labels):
-    """name -> a function returning the next batch, each started and ready."""
+    """name -> (a function returning the next batch, a function returning its worker pids), each started."""
     out = {}
     for workers in (0, 2):
         data = Batches((images, labels), batch_size=BATCH, seed=0, transform=augment, workers=workers,
                        prefetch=2)
-        out[f"Batches(workers={workers})"] = data.next_batch
+        out[f"Batches(workers={workers})"] = (data.next_batch, lambda data=data: data.worker_pids)
     ds = Augmented(images, labels)
     loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=2, prefetch_factor=2,
                                          persistent_workers=True)
@@ -133,15 +135,40 @@ def pipelines(images, labels):
             state["it"] = iter(loader)
             return next(state["it"])
 
-    out["DataLoader(num_workers=2)"] = next_loader_batch
+    out["DataLoader(num_workers=2)"] = (next_loader_batch,
+                                        lambda: [w.pid for w in getattr(state["it"], "_workers", [])])
     return out
 
 
-def timed(next_batch, step, batches: int) -> float:
+def cpu_seconds(pids) -> float:
+    """CPU time used so far by this process and the processes pids (user and system)."""
+    import psutil
+
+    total = time.process_time()
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:  # pragma: no cover
+            pass
+    return total
+
+
+def timed(pipe, step, batches: int) -> tuple[float, float]:
+    """(samples per second, CPU ms per sample in this process and the pipeline's workers)."""
+    next_batch, pids = pipe
+    workers = pids()
+    cpu = cpu_seconds(workers)
     start = time.perf_counter()
     for _ in range(batches):
         step(next_batch())
-    return batches * BATCH / (time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    while workers:  # let the workers fill their queues again, as they were at the start: count that work too
+        before = cpu_seconds(workers) - time.process_time()
+        time.sleep(0.05)
+        if cpu_seconds(workers) - time.process_time() - before < 0.002:
+            break
+    return batches * BATCH / wall, (cpu_seconds(workers) - cpu) / (batches * BATCH) * 1000
 
 
 def machine_load() -> str:
@@ -174,16 +201,20 @@ def main(argv=None) -> dict:
     step_ms = (time.perf_counter() - start) / 5 * 1000
     load_before = machine_load()
     pipes = pipelines(images, labels)
-    for next_batch in pipes.values():  # warm up: workers started, queues full
+    for next_batch, _ in pipes.values():  # warm up: workers started, queues full
         for _ in range(3):
             step(next_batch())
     time.sleep(0.5)
     results: dict[str, list[float]] = {name: [] for name in pipes}
+    cpu: dict[str, list[float]] = {name: [] for name in pipes}
     names = list(pipes)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            results[name].append(timed(pipes[name], step, batches))
+            rate, cpu_ms = timed(pipes[name], step, batches)
+            results[name].append(rate)
+            cpu[name].append(cpu_ms)
     medians = {name: statistics.median(v) for name, v in results.items()}
+    cpu_medians = {name: statistics.median(v) for name, v in cpu.items()}
     serial = medians["Batches(workers=0)"]
     report = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
@@ -192,13 +223,15 @@ def main(argv=None) -> dict:
                   "train_step_ms": step_ms, "rounds": rounds, "batches_per_round": batches},
         "samples_per_s": {name: {"median": medians[name], "rounds": results[name],
                                  "vs_workers0": medians[name] / serial} for name in names},
+        "cpu_ms_per_sample": {name: {"median": cpu_medians[name], "rounds": cpu[name]} for name in names},
     }
     print(f"augmentation {sample_ms:.2f} ms/sample, training step {step_ms:.1f} ms/batch of {BATCH}; "
           f"{rounds} rounds of {batches} batches; {load_before}")
-    print(f"{'pipeline':28s} {'samples/s (median)':>19s} {'vs workers=0':>13s}   rounds")
+    print(f"{'pipeline':28s} {'samples/s (median)':>19s} {'vs workers=0':>13s} {'CPU ms/sample':>14s}   rounds")
     for name in names:
         rounds_text = " ".join(f"{v:.0f}" for v in results[name])
-        print(f"{name:28s} {medians[name]:19.0f} {medians[name] / serial:12.2f}x   {rounds_text}")
+        print(f"{name:28s} {medians[name]:19.0f} {medians[name] / serial:12.2f}x {cpu_medians[name]:14.2f}   "
+              f"{rounds_text}")
     loader = medians["DataLoader(num_workers=2)"]
     print(f"Batches(workers=2) / DataLoader(num_workers=2): {medians['Batches(workers=2)'] / loader:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
