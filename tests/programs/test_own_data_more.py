@@ -4,6 +4,7 @@ exact resume from any step, and clear errors for bad data before the run starts.
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 
@@ -17,7 +18,7 @@ from sklearn.preprocessing import StandardScaler
 
 import flowvm
 from flowvm import DataError, load_data
-from flowvm.programs import lbfgs, mlp, rbm
+from flowvm.programs import lbfgs, mlp, pca, rbm
 from flowvm.testing import assert_same_run
 
 
@@ -184,7 +185,8 @@ def test_mlp_refuses_labels_that_are_not_the_classes_0_to_c_minus_1(tmp_path):
     text = (tmp_path / "iris.csv").read_text().splitlines()
     text[3] = text[3].rsplit(",", 1)[0] + ",setosa"
     (tmp_path / "named.csv").write_text("\n".join(text) + "\n")
-    with pytest.raises(DataError, match=r"named\.csv: line 4, column 5 \('species'\) holds 'setosa', not a number"):
+    with pytest.raises(DataError, match=r"named\.csv \(label column\): the label of row 3 is 'setosa', the first "
+                                        r"row's '0\.000000000000000000e\+00': labels are all numbers"):
         mlp.build(data=tmp_path / "named.csv")
     with pytest.raises(ValueError, match="label= names the label column of a .csv file"):
         mlp.build(data=(x, y), label="species")
@@ -354,3 +356,43 @@ def test_a_finished_run_keeps_its_model_in_checkpoints_and_state_checkpoints(tmp
                        flowvm.load_state(tmp_path / "run.safetensors", module.build(**options), classes=[cls])):
             assert type(loaded.registers["model"]) is cls
             assert flowvm.testing.same(vars(loaded.registers["model"]), want), module.__name__
+
+
+def test_class_names_in_a_csv_label_column_are_encoded_and_kept_in_the_model(tmp_path):
+    from sklearn.datasets import load_iris
+
+    iris = load_iris()
+    x, _ = standardized(load_iris)
+    rows = [",".join(f"{v:.6f}" for v in r) + f",{iris.target_names[t]}" for r, t in zip(x, iris.target)]
+    (tmp_path / "iris.csv").write_text("a,b,c,d,species\n" + "\n".join(rows) + "\n")
+    drv = mlp.build(data=tmp_path / "iris.csv", label="species", hidden=16, epochs=15, batch_size=16).start()
+    drv.run()
+    net = mlp.model(drv.registers)
+    assert list(net.classes_) == ["setosa", "versicolor", "virginica"]  # sorted, class i is classes_[i]
+    assert float((net.classes_[net.predict(x)] == iris.target_names[iris.target]).mean()) >= 0.85
+    from flowvm.programs import save_model
+
+    save_model(net, tmp_path / "mlp.pt")
+    assert torch.load(tmp_path / "mlp.pt", weights_only=True)["classes_"] == ["setosa", "versicolor", "virginica"]
+    save_model(net, tmp_path / "mlp.npz")
+    assert list(np.load(tmp_path / "mlp.npz")["classes_"]) == ["setosa", "versicolor", "virginica"]
+
+
+def test_every_data_program_leaves_out_the_columns_drop_names(tmp_path):
+    from sklearn.datasets import load_iris
+
+    from toy import flowvm_cmd
+
+    iris = load_iris()
+    rows = [",".join(f"{v:.2f}" for v in r) + f",{iris.target_names[t]}" for r, t in zip(iris.data, iris.target)]
+    (tmp_path / "iris.csv").write_text("a,b,c,d,species\n" + "\n".join(rows) + "\n")
+    assert load_data(tmp_path / "iris.csv", drop="species").x.shape == (150, 4)
+    assert load_data(tmp_path / "iris.csv", drop=["species", 0]).x.shape == (150, 3)
+    with pytest.raises(DataError, match=r"line 2, column 5 \('species'\) holds 'setosa', not a number"):
+        load_data(tmp_path / "iris.csv")  # k-means would otherwise cluster the label column too: refused
+    done = flowvm_cmd("run", "kmeans", "--data", tmp_path / "iris.csv", "--set", "drop='species'", "--set",
+                      "clusters=3", "--output", tmp_path / "km.npz", "--progress", "none", cwd=tmp_path)
+    assert np.load(tmp_path / "km.npz")["cluster_centers_"].shape == (3, 4), done.stdout
+    for program in (pca, rbm):
+        assert "drop" in inspect.signature(program.build).parameters
+    assert "drop" in inspect.signature(mlp.build).parameters

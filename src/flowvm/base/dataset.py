@@ -33,10 +33,16 @@ BLOCK = 1 << 20  # the bytes of each end of a file that its digest covers
 
 
 class Data:
-    """Samples ``x`` (n x d floats), labels ``y`` (n ints in 0..C-1) or None, and where they came from."""
+    """Samples ``x`` (n x d floats), labels ``y`` (n ints in 0..C-1) or None, and where they came from;
+    ``classes_``: the classes' names when the labels were text (a CSV's ``setosa``, ...: class i is
+    ``classes_[i]``, in sorted order), else None."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray | None, source: str):
+    classes_ = None
+
+    def __init__(self, x: np.ndarray, y: np.ndarray | None, source: str, classes_: np.ndarray | None = None):
         self.x, self.y, self.source = x, y, source
+        if classes_ is not None:
+            self.classes_ = classes_
 
     @property
     def classes(self) -> int:
@@ -55,8 +61,8 @@ class Data:
         order = np.random.default_rng(seed).permutation(len(self.x))
         train, val = order[:-n_val], order[-n_val:]
         pick = (lambda a, i: None if a is None else np.asarray(a)[np.sort(i)])
-        return (Data(pick(self.x, train), pick(self.y, train), f"{self.source} (training split)"),
-                Data(pick(self.x, val), pick(self.y, val), f"{self.source} (held-out split)"))
+        return (Data(pick(self.x, train), pick(self.y, train), f"{self.source} (training split)", self.classes_),
+                Data(pick(self.x, val), pick(self.y, val), f"{self.source} (held-out split)", self.classes_))
 
 
 def _digest(path: Path) -> str:
@@ -155,12 +161,15 @@ def _labels(y: Any, n: int, source: str) -> np.ndarray:
     return y
 
 
-def _read_csv(path: Path, label: int | str | None, supervised: bool) -> tuple[np.ndarray, np.ndarray | None]:
+def _read_csv(path: Path, label: int | str | None, supervised: bool,
+              drop: Any = None) -> tuple[np.ndarray, Any]:
     """The values of a CSV file (a header row allowed), read row by row into one array of floats: memory
     stays at 8 bytes a value whatever the file holds (a field over csv's limit, a NUL byte or text that is
-    not UTF-8 is a DataError naming the line)."""
+    not UTF-8 is a DataError naming the line).  The label column is kept apart, as numbers or as text (class
+    names); the columns ``drop`` names are left out."""
     header, width, values = None, None, array("d")
     reader = None
+    col, keep, labels = None, None, []
     try:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.reader(_lines(f, path))
@@ -171,19 +180,49 @@ def _read_csv(path: Path, label: int | str | None, supervised: bool) -> tuple[np
                     width = len(row)
                     if not _numeric(row):
                         header = [c.strip() for c in row]
+                    col = _label_column(label, supervised, header, width, path)
+                    gone = {col} | set(_columns(drop, header, width, path))
+                    keep = [j for j in range(width) if j not in gone]
+                    if header is not None:
                         continue
-                _append_row(values, row, width, header, path, reader.line_num)
+                if len(row) == width and col is not None:
+                    labels.append(row[col].strip())
+                _append_row(values, row, width, header, path, reader.line_num, keep)
     except csv.Error as err:
         raise DataError(f"{path}: line {reader.line_num if reader else 1} is not CSV ({err})") from None
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not a UTF-8 text file (byte {err.start}: {err.reason})") from None
     if width is None:
         raise DataError(f"{path}: empty file")
-    col = _label_column(label, supervised, header, width, path)
-    arr = np.frombuffer(values, dtype=np.float64).reshape(-1, width).copy()
+    arr = np.frombuffer(values, dtype=np.float64).reshape(-1, len(keep)).copy()
     if col is None:
         return arr, None
-    return np.delete(arr, col, axis=1), arr[:, col]
+    return arr, labels
+
+
+def _columns(drop: Any, header: list | None, width: int, path: Path) -> list[int]:
+    """The indices of the columns ``drop`` names (a name or index, or a list of them)."""
+    if drop is None:
+        return []
+    names = drop if isinstance(drop, (list, tuple)) else [drop]
+    return [_label_column(name, True, header, width, path) for name in names]
+
+
+def _csv_labels(raw: list, n: int, source: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The labels of a CSV file's label column: numbers as classes 0..C-1, or text as class names (encoded in
+    sorted order; the names returned)."""
+    if _numeric(raw):
+        return _labels(np.array([float(v) for v in raw]), n, source), None
+    kinds = [_numeric([v]) for v in raw]
+    odd = next((i for i, k in enumerate(kinds) if k != kinds[0]), None)
+    if odd is not None:
+        raise DataError(f"{source}: the label of row {odd + 1} is {raw[odd][:60]!r}, the first row's "
+                        f"{raw[0][:60]!r}: labels are all numbers (classes 0..C-1) or all class names")
+    missing = [i for i, v in enumerate(raw) if not v]
+    if missing:
+        raise DataError(f"{source}: the label of row {missing[0] + 1} is empty")
+    names, y = np.unique(np.array(raw, dtype=str), return_inverse=True)
+    return y.astype(np.int64), names
 
 
 MAX_LINE = 16 << 20  # characters in a line of a CSV file, at most
@@ -207,10 +246,12 @@ def _numeric(row: list) -> bool:
         return False
 
 
-def _append_row(values: array, row: list, width: int, header: list | None, path: Path, line: int) -> None:
+def _append_row(values: array, row: list, width: int, header: list | None, path: Path, line: int,
+                keep: list[int]) -> None:
     if len(row) != width:
         raise DataError(f"{path}: line {line} has {len(row)} values, the first row {width}")
-    for j, cell in enumerate(row):
+    for j in keep:
+        cell = row[j]
         try:
             values.append(float(cell))
         except ValueError:
@@ -258,11 +299,13 @@ def _member(z: Any, name: str, path: Path) -> np.ndarray:
 
 
 def load_data(data: Any, *, supervised: bool = False, label: int | str | None = None,
-              name: str = "data") -> Data:
+              name: str = "data", drop: Any = None) -> Data:
     """``data`` as samples (and labels when ``supervised``, or when given): an array or tensor, an ``(x, y)``
     pair, a ``torch.utils.data.Dataset`` (items ``x`` or ``(x, y)``), or a path to a ``.npy``, ``.npz``
     (keys ``x`` and ``y``) or ``.csv`` file (a header row allowed; ``label``: the label column's name or
-    index, by default the last one when ``supervised``)."""
+    index, by default the last one when ``supervised``; its values numbers 0..C-1 or class names, which are
+    encoded in sorted order and kept as ``classes_``; ``drop``: a column's name or index, or a list of them,
+    left out of a .csv file's samples)."""
     if isinstance(data, Data):
         return data
     if isinstance(data, (str, os.PathLike)):
@@ -281,9 +324,12 @@ def load_data(data: Any, *, supervised: bool = False, label: int | str | None = 
                 x = _as_samples(_member(z, "x", path), f"{source} (x)")
                 y = _labels(_member(z, "y", path), len(x), f"{source} (y)") if "y" in z else None
         elif suffix == ".csv":
-            raw_x, raw_y = _read_csv(path, label, supervised)
+            raw_x, raw_y = _read_csv(path, label, supervised, drop)
             x = _as_samples(raw_x, source)
-            y = None if raw_y is None else _labels(raw_y, len(x), f"{source} (label column)")
+            y, names = (None, None) if raw_y is None else _csv_labels(raw_y, len(x), f"{source} (label column)")
+            if supervised and y is None:
+                raise DataError(f"{source}: this program needs labels (a .csv label column)")
+            return Data(x, y, source, names)
         else:
             raise DataError(f"{source}: unknown data file type {suffix!r} (use .npy, .npz or .csv)")
         if supervised and y is None:

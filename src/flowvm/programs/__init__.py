@@ -117,13 +117,16 @@ def _torch_plain(value):
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     array = np.asarray(value)
+    if array.dtype.kind in "US":  # text (class names): a list of str
+        return array.tolist()
     return array.item() if array.ndim == 0 and array.dtype.kind in "biuf" else torch.from_numpy(np.array(array))
 
 
 def save_model(model, path) -> None:
     """Write a program's fitted model: ``.npz`` holds its attributes under their names (``components_``,
     ``cluster_centers_``, ...: ``numpy.load(path)["components_"]``; a list of arrays as one array per item,
-    ``coefs_0``, ``coefs_1``, ...); ``.safetensors`` the same as tensors; ``.pt`` a dict that plain
+    ``coefs_0``, ``coefs_1``, ...); ``.safetensors`` the same as tensors (text, such as class names in
+    ``classes_``, as JSON in the file's metadata); ``.pt`` a dict that plain
     ``torch.load(path)`` reads (tensors, lists and numbers only): the attributes, and for a torch module its
     ``state_dict`` under ``"state_dict"`` (rebuild the module and ``load_state_dict`` it)."""
     from pathlib import Path
@@ -146,6 +149,10 @@ def save_model(model, path) -> None:
         with open(path, "wb") as f:
             np.savez(f, **arrays)
     else:
+        import json
+
         from safetensors.numpy import save_file
 
-        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(path))
+        text = {k: json.dumps(v.tolist()) for k, v in arrays.items() if v.dtype.kind in "US"}  # class names
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items() if k not in text}, str(path),
+                  metadata=text or None)

@@ -119,13 +119,13 @@ class KMeansModel:
 
 
 def build(samples: int = 5000, clusters: int = 6, dim: int = 2, spread: float = 1.0, restarts: int = 3,
-          tol: float = 1e-6, max_iter: int = 100, seed: int = 0, data=None):
+          tol: float = 1e-6, max_iter: int = 100, seed: int = 0, data=None, drop=None):
     """k-means with `restarts` k-means++ starts on `samples` points in `clusters` Gaussian blobs, or on data
     (then samples, dim and spread are not used)."""
     check_options("kmeans", counts=dict(samples=samples, clusters=clusters, dim=dim, restarts=restarts,
                                         max_iter=max_iter), positive=dict(spread=spread))
     if data is not None:
-        given = load_data(data, name="kmeans data")
+        given = load_data(data, name="kmeans data", drop=drop)
         x, true_centers = np.asarray(given.x, dtype=np.float64), None
         distinct = len(np.unique(x, axis=0))
         if distinct < clusters:

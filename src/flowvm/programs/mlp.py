@@ -25,6 +25,7 @@ accuracy.  ``model(registers)`` gives the trained network, a
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -123,13 +124,15 @@ class TrainedMLP:
     ``module()`` makes the ``Classifier`` again).  Names as scikit-learn's ``MLPClassifier``: ``coefs_[i]``
     is layer i's weight matrix (inputs x outputs), ``intercepts_[i]`` its biases."""
 
-    def __init__(self, network: Classifier):
+    def __init__(self, network: Classifier, classes: list | None = None):
         linear = [m for m in network if isinstance(m, torch.nn.Linear)]
         self.layer_sizes_ = list(network.sizes)
         self.coefs_ = [m.weight.detach().numpy().T.copy() for m in linear]
         self.intercepts_ = [m.bias.detach().numpy().copy() for m in linear]
         self.n_features_in_ = self.layer_sizes_[0]
         self.n_classes_ = self.layer_sizes_[-1]
+        if classes is not None:  # the labels were text: class i is classes_[i]
+            self.classes_ = np.asarray(classes)
 
     def module(self) -> Classifier:
         """A Classifier holding these weights (in eval mode)."""
@@ -138,6 +141,8 @@ class TrainedMLP:
             for m, w, b in zip([m for m in network if isinstance(m, torch.nn.Linear)], self.coefs_, self.intercepts_):
                 m.weight.copy_(torch.from_numpy(np.ascontiguousarray(w.T)))
                 m.bias.copy_(torch.from_numpy(b))
+        if "classes_" in vars(self):
+            network.classes_ = self.classes_
         return network.eval()
 
 
@@ -190,12 +195,13 @@ def tensors(data: Data) -> tuple[torch.Tensor, torch.Tensor]:
             torch.from_numpy(np.asarray(data.y, dtype=np.int64)))
 
 
-def labelled(data, label, val_fraction: float | None, seed: int):
-    """(training, held out or None, classes, where the data came from) from the user's data."""
+def labelled(data, label, val_fraction: float | None, seed: int, drop=None):
+    """(training, held out or None, classes, where the data came from) from the user's data (class names, when
+    the labels are text, in ``classes_`` of both parts)."""
     if label is not None and not (isinstance(data, (str, os.PathLike)) and str(data).lower().endswith(".csv")):
         raise ValueError(f"mlp: label= names the label column of a .csv file; the data given is "
                          f"{type(data).__name__} {str(data)!r:.60} (give an (x, y) pair, or an .npz with x and y)")
-    given = load_data(data, supervised=True, label=label, name="mlp data")
+    given = load_data(data, supervised=True, label=label, name="mlp data", drop=drop)
     if given.classes < 2:
         raise DataError(f"{given.source}: every label is 0: a classifier needs at least 2 classes (labels 0..C-1)")
     train, val = given.split(0.2 if val_fraction is None else val_fraction, seed)
@@ -204,7 +210,7 @@ def labelled(data, label, val_fraction: float | None, seed: int):
 
 def build(samples: int = 3000, hidden: int = 64, layers: int = 2, epochs: int = 20, batch_size: int = 64,
           optimizer: str = "adam", lr: float | None = None, eval_every: int = 50, log_every: int = 25,
-          seed: int = 0, data=None, label=None, val_fraction=None):
+          seed: int = 0, data=None, label=None, val_fraction=None, drop=None):
     """Train an MLP on spirals, or on data (then samples is not used); evaluate every `eval_every` and log every
     `log_every` updates on the held-out fraction `val_fraction` (on the training data when it is 0)."""
     if optimizer not in ("adam", "sgd"):
@@ -216,7 +222,7 @@ def build(samples: int = 3000, hidden: int = 64, layers: int = 2, epochs: int = 
                                      or not 0 <= val_fraction < 1):
         raise ValueError(f"mlp: val_fraction must be a number in [0, 1), got {val_fraction!r}")
     if data is not None:
-        train, val, classes, source = labelled(data, label, val_fraction, seed)
+        train, val, classes, source = labelled(data, label, val_fraction, seed, drop)
     elif label is not None:
         raise ValueError("mlp: label= names the label column of a .csv file given as data=")
     elif val_fraction is None:  # the spirals' first third is held out
@@ -228,6 +234,7 @@ def build(samples: int = 3000, hidden: int = 64, layers: int = 2, epochs: int = 
         x, y = spirals(samples, seed=seed)
         train, val = Data(x.numpy(), y.numpy(), "spirals").split(val_fraction, seed)
         classes, source = 3, "spirals"
+    names = train.classes_  # the classes' names when the labels were text
     x_train, y_train = (train.x, train.y) if isinstance(train.x, torch.Tensor) else tensors(train)
     if val is None:  # nothing held out: the accuracy is on the training data
         x_test, y_test = x_train, y_train
@@ -255,7 +262,8 @@ def build(samples: int = 3000, hidden: int = 64, layers: int = 2, epochs: int = 
         evaluate,
         log,
         CALL(weights, model, store_to=reg("weights")),
-        CALL(TrainedMLP, model, store_to=reg("model")),
+        CALL(TrainedMLP if names is None else functools.partial(TrainedMLP, classes=names.tolist()), model,
+             store_to=reg("model")),
     ]).with_process_settings({"torch.threads": THREADS})
 
 

@@ -124,11 +124,11 @@ class PCAModel:
 
 
 def build(samples: int = 1000, batches: int = 5, dim: int = 13, components: int = 3, seed: int = 123,
-          data=None):
+          data=None, drop=None):
     """PCA of batches x samples points of a dim-dimensional Gaussian stream, or of data (then samples is
     the batch size, and batches and dim come from the data)."""
     if data is not None:
-        return _build_on(load_data(data, name="pca data"), samples, components)
+        return _build_on(load_data(data, name="pca data", drop=drop), samples, components)
     if not 1 <= components <= dim:
         raise ValueError(f"pca: components must be between 1 and dim={dim}, got {components}")
     if samples < 1 or batches < 1 or samples * batches < 2:

@@ -163,13 +163,13 @@ def append(items: list, item) -> list:
 
 
 def build(samples: int = 2000, side: int = 5, hidden: int = 24, epochs: int = 15, batch_size: int = 20,
-          lr: float = 0.1, seed: int = 0, data=None):
+          lr: float = 0.1, seed: int = 0, data=None, drop=None):
     """CD-1 training of an RBM with `hidden` units on bars and stripes of side x side pixels, or on data (values
     in [0, 1]; then samples and side are not used, and the visible units are the data's columns)."""
     check_options("rbm", counts=dict(samples=samples, side=side, hidden=hidden, epochs=epochs,
                                      batch_size=batch_size), positive=dict(lr=lr))
     if data is not None:
-        given = load_data(data, name="rbm data")
+        given = load_data(data, name="rbm data", drop=drop)
         check_unit_interval(given)
         x = given.x
     else:

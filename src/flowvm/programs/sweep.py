@@ -74,7 +74,7 @@ def accuracy_of(result: dict) -> float:
 
 
 def build(trials: int = 4, epochs: int = 5, samples: int = 3000, executor: str | None = None, seed: int = 0,
-          data=None, label=None, val_fraction=None):
+          data=None, label=None, val_fraction=None, drop=None):
     """Random search over `trials` MLP configurations trained for `epochs` epochs, all trials in parallel, on
     spirals or on data (the mlp program's data, label and val_fraction options, given to every trial)."""
     check_options("sweep", counts=dict(trials=trials, epochs=epochs, samples=samples))
@@ -84,8 +84,10 @@ def build(trials: int = 4, epochs: int = 5, samples: int = 3000, executor: str |
     if data is not None:
         from flowvm.programs import mlp
 
-        mlp.build(epochs=1, data=data, label=label, val_fraction=val_fraction)  # bad data: refused here, at once
+        mlp.build(epochs=1, data=data, label=label, val_fraction=val_fraction, drop=drop)  # bad data: refused now
         chosen = {"data": data, "label": label, "val_fraction": val_fraction}
+        if drop is not None:
+            chosen["drop"] = drop
     configs = draw_configs(trials, epochs, samples, seed, chosen)
     reg = Registers({f"config_{i}": c for i, c in enumerate(configs)})
     results = [reg(f"trial_{i}") for i in range(trials)]
