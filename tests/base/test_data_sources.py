@@ -46,6 +46,10 @@ def test_shards_pickle_as_their_paths_and_resume(shards):
     first = served(data, 4)
     blob = pickle.dumps(data)
     assert len(blob) < 3000  # the paths, not the rows
+    from flowvm.persist.pickler import names_in
+
+    assert ("flowvm", "Batches._open_shards") in names_in(blob)
+    assert not [m for m, _ in names_in(blob) if m.startswith("flowvm.")]  # stable names only
     again = pickle.loads(blob)
     rest = served(again, 6)
     ref = Batches({"x": ROWS, "y": np.arange(37)}, batch_size=5, seed=2)

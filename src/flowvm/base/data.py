@@ -53,7 +53,7 @@ import numpy as np
 from ..pickled import stable
 from .loaders import next_from, restore_loader, restore_with
 from .batching import BatchMaker, is_array as _is_array, length as _length, sample_rng, stack_items
-from .sources import NpyShards, is_shard_list
+from .sources import NpyShards, is_shard_list, rebuild_with
 from .workers import WorkerError, WorkerPool
 
 __all__ = ["Batches", "WorkerError", "sample_rng", "stack_items"]
@@ -311,6 +311,10 @@ class Batches:
         return next_from(loader)
 
     @staticmethod
+    def _open_shards(paths: list) -> NpyShards:
+        return NpyShards(paths)
+
+    @staticmethod
     def _restore_loader(cls: type, state: dict, loader_state: dict | None) -> Any:
         return restore_loader(cls, state, loader_state)
 
@@ -370,3 +374,4 @@ class Batches:
 
 
 restore_with(Batches._restore_loader)  # a pickled StatefulDataLoader names flowvm.Batches._restore_loader
+rebuild_with(Batches._open_shards)  # a pickled NpyShards names flowvm.Batches._open_shards

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["NpyShards", "is_shard_list"]
+__all__ = ["NpyShards", "is_shard_list", "rebuild_with"]
 
 
 def _is_url(path: str) -> bool:
@@ -64,6 +64,14 @@ def _open(path: str) -> np.ndarray:
     return arr
 
 
+_rebuilder: list = [None]  # NpyShards under a stable name (Batches._open_shards, set by data.py)
+
+
+def rebuild_with(fn) -> None:
+    """The function a pickled NpyShards names to open its files again (it calls NpyShards(paths))."""
+    _rebuilder[0] = fn
+
+
 class NpyShards:
     """Rows of several .npy files, joined along the first dimension, read through memory maps."""
 
@@ -110,10 +118,8 @@ class NpyShards:
             out[mask] = arrays[s][idx[mask] - starts[s]]
         return out
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.pop("_maps", None)  # reopened where loaded
-        return state
+    def __reduce__(self):
+        return (_rebuilder[0] or NpyShards), (self.paths,)  # the files, opened again where loaded
 
     def __repr__(self) -> str:
         return f"<NpyShards: {len(self.paths)} .npy files, {self.shape[0]} rows of {self.dtype}{list(self.shape[1:])}>"
