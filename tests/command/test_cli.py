@@ -447,6 +447,7 @@ def test_version_and_the_help_of_targets_and_options():
             or command == "sweep" and "VALUE a Python literal" in text, text
     assert "a bundled program's name (flowvm list), a module name (mypkg.train) or a .py file" in \
         " ".join(flowvm_cmd("verify", "--help").stdout.split())
+    assert "--key KEY the key of a signed checkpoint" in " ".join(flowvm_cmd("show", "--help").stdout.split())
 
 
 def test_bad_data_is_flowvms_own_error_one_line_and_status_2_naming_the_program_not_its_path(tmp_path):

@@ -194,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("show", help="print a saved run: program, position, registers")
     show.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
-    show.add_argument("--key")
+    show.add_argument("--key", help="the key of a signed checkpoint (default: $FLOWVM_CHECKPOINT_KEY)")
     show.add_argument("--trust", action="store_true",
                       help="pickle checkpoints: load an unsigned file to show its registers (runs code the file "
                            "chooses: only for files from a source you trust)")
