@@ -23,6 +23,7 @@ from flowvm.base.workers import WorkerError
 from flowvm.testing import same
 
 X = np.arange(41 * 3, dtype=np.float64).reshape(41, 3)
+FORK = "fork"  # the tests of order and resume fork, whatever threads earlier tests left running (fast starts)
 Y = np.arange(41)
 
 
@@ -64,7 +65,7 @@ def test_resume_with_any_workers_at_any_cut_serves_the_same_batches(n, batch_siz
     assume(len(range(world - 1, n, world)) >= (batch_size if drop_last else 1))
     total = 3 * len(Batches(source, **options)) + 1  # over epoch ends
     straight = served(Batches(source, **options), total)
-    data = Batches(source, workers=before, prefetch=prefetch, **options)
+    data = Batches(source, workers=before, prefetch=prefetch, start_method=FORK, **options)
     got, taken = [], 0
     for cut in sorted(min(c, total) for c in cuts):
         got += served(data, cut - taken)
@@ -83,7 +84,7 @@ def test_resume_with_any_workers_at_any_cut_serves_the_same_batches(n, batch_siz
 
 def test_three_resumes_within_one_epoch_of_a_program():
     def build(workers):
-        data = Batches((X, Y), batch_size=4, seed=2, transform=jitter, workers=workers)
+        data = Batches((X, Y), batch_size=4, seed=2, transform=jitter, workers=workers, start_method=FORK)
         reg = Registers(total=0.0, data=data)
         body = SEQ([CALL(Batches.next_batch, reg("data"), store_to=reg("batch")),
                     CALL(lambda b, t: t + float(b[0].sum()), reg("batch"), reg("total"), store_to=reg("total"))])
@@ -107,7 +108,7 @@ def test_the_transform_gets_the_generator_of_seed_epoch_and_index_whichever_work
     def draw(sample, rng):
         return np.array([sample, rng.integers(1 << 30)])
 
-    data = Batches(np.arange(12), batch_size=5, seed=7, transform=draw, workers=3, prefetch=1)
+    data = Batches(np.arange(12), batch_size=5, seed=7, transform=draw, workers=3, prefetch=1, start_method=FORK)
     for epoch in range(2):
         for batch in served(data, len(data)):
             for index, value in batch:
@@ -263,7 +264,7 @@ def test_bad_rank_and_worker_options_are_named():
 
 
 def test_load_state_dict_with_batches_in_flight_serves_the_batch_of_that_state():
-    data = Batches((X, Y), batch_size=5, seed=4, transform=jitter, workers=2, prefetch=3)
+    data = Batches((X, Y), batch_size=5, seed=4, transform=jitter, workers=2, prefetch=3, start_method=FORK)
     ref = Batches((X, Y), batch_size=5, seed=4, transform=jitter)
     served(data, 3)
     for state in ({"seed": 4, "epoch": 0, "position": 1}, {"seed": 6, "epoch": 2, "position": 7},
@@ -295,7 +296,7 @@ def test_a_torch_dataset_in_workers_gives_the_tensors_workers_0_gives():
 
     ds = torch.utils.data.TensorDataset(torch.randn(30, 3, generator=torch.Generator().manual_seed(0)),
                                         torch.arange(30))
-    data = Batches(ds, batch_size=7, seed=2, workers=2)
+    data = Batches(ds, batch_size=7, seed=2, workers=2, start_method=FORK)
     got = served(data, 9)
     data.close()
     assert all(isinstance(b[0], torch.Tensor) for b in got)
