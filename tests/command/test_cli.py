@@ -459,3 +459,17 @@ def test_bad_data_is_flowvms_own_error_one_line_and_status_2_naming_the_program_
     out = flowvm_cmd("run", "kmeans", "--set", "clusters=0", check=False)
     assert out.returncode != 0 and out.stderr.startswith("flowvm: kmeans: build() rejected --set clusters=0")
     assert "site-packages" not in out.stderr and "kmeans.py" not in out.stderr
+
+
+def test_show_of_a_state_file_of_a_torch_run_does_not_import_torch(tmp_path):
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "run.safetensors"
+    flowvm_cmd("run", "mlp", "--set", "epochs=1", "--set", "samples=300", "--checkpoint", ckpt, "--max-steps", "30",
+               "--progress", "none")
+    code = ("import sys\nfrom flowvm.command.cli import main\nstatus = main(['show', sys.argv[1]])\n"
+            "print('torch imported:', 'torch' in sys.modules, status, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == "torch imported: False 0", done.stderr
+    assert "30" in done.stdout

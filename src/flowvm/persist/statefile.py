@@ -243,7 +243,12 @@ def _read_tensors(name: str, path: Any, table: dict, entries: dict, keep: bool |
     thread that read it.  Without keep, the pieces go through one scratch buffer: memory stays bounded
     whatever the file declares."""
     torch_file = any(info["kind"] == "torch" for info in table.values())
-    if torch_file and keep is not False:
+    # show (keep: a size): where torch is not imported, torch's tensors are read as numpy arrays, torch never
+    # imported (one whose dtype numpy lacks is hashed, not kept, as a large one is)
+    as_numpy = torch_file and keep is not True and keep is not False and "torch" not in sys.modules
+    import numpy as np
+
+    if torch_file and keep is not False and not as_numpy:
         try:
             import torch  # noqa: F401
         except ImportError:
@@ -270,8 +275,10 @@ def _read_tensors(name: str, path: Any, table: dict, entries: dict, keep: bool |
             if end - begin != nbytes:
                 raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} has {end - begin} bytes in the "
                                             f"file, {nbytes} by its dtype and shape")
-            if keep is True or keep is not False and nbytes <= keep:
-                own = _empty(info, torch_file)
+            numpy_kind = as_numpy and info["kind"] == "torch"
+            readable = not numpy_kind or not info.get("raw") and dtype[0] is not None
+            if readable and (keep is True or keep is not False and nbytes <= keep):
+                own = np.empty(shape, dtype=dtype[0]) if numpy_kind else _empty(info, torch_file and not as_numpy)
                 view = _bytes_of(own)
                 futures[tname] = [pool.submit(_read_piece, raw, view[i: i + PIECE], begin + i, one)
                                   for i in range(0, len(view), PIECE)] or [pool.submit(one, view)]
@@ -290,7 +297,8 @@ def _read_tensors(name: str, path: Any, table: dict, entries: dict, keep: bool |
             raise CheckpointError(path, "truncated: the file ends inside a tensor's data") from None
     if keep is False:
         return None, views, hashed
-    return {n: _final(own, table[n], torch_file) for n, own in out.items()}, views, hashed  # once read
+    return {n: own if as_numpy and table[n]["kind"] == "torch" else _final(own, table[n], torch_file and not as_numpy)
+            for n, own in out.items()}, views, hashed  # once read
 
 
 MAX_HEADER = 100_000_000  # bytes of a safetensors header, at most (safetensors' own limit)
@@ -332,13 +340,20 @@ def _safetensors_header(name: str, size: int, path: Any) -> tuple[dict, dict]:
     return metadata, entries
 
 
+# the bytes of one item of each torch dtype a file may name, known without importing torch (show, sizes)
+TORCH_ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
+                  "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8,
+                  "complex128": 16, "complex32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+                  "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "qint8": 1, "quint8": 1, "qint32": 4}
+
+
 def _itemsize(info: dict) -> int:
     if info["kind"] == "numpy":
         return numpy_dtype(info["dtype"]).itemsize
-    dtype = torch_dtypes().get(info["dtype"])
-    if dtype is None:
+    size = TORCH_ITEMSIZE.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if size is None:
         raise ValueError(f"unknown torch dtype {info['dtype']!r:.40}")
-    return dtype.itemsize
+    return size
 
 
 def _nbytes(info: dict) -> int:
@@ -393,9 +408,7 @@ def _stored(info: dict, torch_file: bool) -> tuple:
     count = 1
     for n in shape:
         count *= n
-    size = numpy_dtype(info["dtype"]).itemsize if info["kind"] == "numpy" \
-        else torch_dtypes()[info["dtype"]].itemsize
-    return ("uint8" if torch_file else "|u1"), [count * size]
+    return ("uint8" if torch_file else "|u1"), [count * _itemsize(info)]
 
 
 def _final(own: Any, info: dict, torch_file: bool) -> Any:

@@ -4,6 +4,8 @@ not kept, so that memory stays bounded whatever the file declares."""
 
 from __future__ import annotations
 
+import sys
+
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -55,7 +57,9 @@ class _ShownDecoder(Decoder):
 
     def _tensor(self, have: Any, node: dict, where: str) -> Any:
         base, _ = self._loaded(node["tensor"], where)
-        return self.keep(node, base) if isinstance(base, SavedArray) else super()._tensor(have, node, where)
+        if isinstance(base, SavedArray) or "torch" not in sys.modules:  # (read as a numpy array: torch not imported)
+            return self.keep(node, base)
+        return super()._tensor(have, node, where)
 
 
 class SavedArray:
