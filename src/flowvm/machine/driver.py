@@ -16,7 +16,6 @@ docs/architecture.md follows one step from ``Driver.step()`` to the user's funct
 
 from __future__ import annotations
 
-import contextvars
 import numbers
 import weakref
 from dataclasses import dataclass
@@ -132,37 +131,33 @@ class Driver:
     # ------------------------------------------------------------------ public
     def step(self) -> Any:
         """Run one leaf action; return INCOMPLETE, or the program's value once it is finished."""
-        token = MID_STEP.set((self, MID_STEP.get()))  # for the tools a leaf calls (flowvm.machine.running)
         try:
-            try:
-                fast = self._fast
-                if fast is not None:
-                    i = fast[REPEAT_I] + 1
-                    if i < fast[REPEAT_N]:
-                        # Fast path: a leaf repeated by its REPEAT parent stays on the stack.
-                        value = self._leaf()
-                        self.steps += 1
-                        self._fresh = None
-                        repeat_counted(self, fast, i, value)
-                        if self._watch is not None:
-                            history.record(self)
-                        return INCOMPLETE
-                if self._leaf is None and not self._prepare():
+            fast = self._fast
+            if fast is not None:
+                i = fast[REPEAT_I] + 1
+                if i < fast[REPEAT_N]:
+                    # Fast path: a leaf repeated by its REPEAT parent stays on the stack.
+                    value = self._leaf()
+                    self.steps += 1
+                    self._fresh = None
+                    repeat_counted(self, fast, i, value)
                     if self._watch is not None:
                         history.record(self)
-                    return self.result
-                value = self._leaf()
-            except Exception as err:  # the one place where a leaf's error gets its note (see _running_error)
-                raise self._running_error(err)
-            if value is PENDING:
-                self._after_poll()
-            else:
-                self._after_leaf(value)
-            if self._watch is not None:
-                history.record(self)
-            return self.result if self.done else INCOMPLETE
-        finally:
-            MID_STEP.reset(token)
+                    return INCOMPLETE
+            if self._leaf is None and not self._prepare():
+                if self._watch is not None:
+                    history.record(self)
+                return self.result
+            value = self._leaf()
+        except Exception as err:  # the one place where a leaf's error gets its note (see _running_error)
+            raise self._running_error(err)
+        if value is PENDING:
+            self._after_poll()
+        else:
+            self._after_leaf(value)
+        if self._watch is not None:
+            history.record(self)
+        return self.result if self.done else INCOMPLETE
 
     def run(self, max_steps: int | None = None, timeout: float | None = None) -> Any:
         """Run until the program finishes, max_steps more steps were taken, or timeout seconds passed.
@@ -225,8 +220,7 @@ class Driver:
 
     def _drive(self, limit, deadline: float | None, idle: "_Idle | None", block: bool) -> Any:
         """The loop of run() and arun(): with block=False it returns instead of waiting on pending leaves."""
-        token = MID_STEP.set((self, MID_STEP.get()))  # for the tools a leaf calls (flowvm.machine.running)
-        try:
+        try:  # (flowvm.machine.running finds a driver mid-step by this method's frame)
             while True:
                 if self.steps >= limit and not self.done:
                     return INCOMPLETE  # checked first: run(max_steps=0) enters nothing
@@ -272,8 +266,6 @@ class Driver:
                     self._after_leaf(value)
         except Exception as err:  # the other place where a leaf's error gets its note
             raise self._running_error(err)
-        finally:
-            MID_STEP.reset(token)
 
     @property
     def position(self) -> str | None:
@@ -662,7 +654,6 @@ class Driver:
 provide("start", Driver)  # Element.start()
 # The drivers in the middle of a step in this context, innermost first, as a chain (driver, outer chain) ending
 # in (): set by step() and by the loop of run() and arun(), read by flowvm.machine.running.
-MID_STEP: "contextvars.ContextVar[tuple]" = contextvars.ContextVar("flowvm_mid_step", default=())
 DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()  # drivers started in this process (see flowvm.machine.running)
 
 

@@ -6,7 +6,9 @@ many more times the run will run it.
 
 from __future__ import annotations
 
-from .driver import DRIVERS, MID_STEP, Driver
+import sys
+
+from .driver import DRIVERS, Driver
 from ..program.elements import BUFFER, LOOP, REPEAT, WEAVE, WHILE, Element
 from .frames import BUFFER_I, BUFFER_N, ELEMENT, REPEAT_I, REPEAT_N
 from .frames import walk as walk_frames
@@ -31,16 +33,23 @@ def running_in(el: Element) -> "tuple[Driver, str] | None":
 
 
 def drivers_mid_step() -> "list[Driver]":
-    """The drivers whose step is running now in this context (this thread, this asyncio task), innermost
-    first: an edit made from there comes from one of their own CALLs.  Their tight loops keep the functions
-    of the leaves they run, and their frames are in the middle of a move, so such an edit is refused
-    (flowvm.editing.edit).  step() and the loop of run() and arun() set them (``driver.MID_STEP``)."""
+    """The drivers whose step is running now in this thread, further up the call stack, innermost first: an
+    edit made from there comes from one of their own CALLs.  Their tight loops keep the functions of the
+    leaves they run, and their frames are in the middle of a move, so such an edit is refused
+    (flowvm.editing.edit).
+
+    They are found by the frames of ``Driver.step`` and ``Driver._drive`` on the interpreter's stack: that
+    costs nothing per step, where marking each step (a context variable set and reset) cost more than a
+    whole step of a repeated leaf."""
+    codes = {Driver.step.__code__, Driver._drive.__code__}
     found: list = []
-    chain = MID_STEP.get()
-    while chain:
-        drv, chain = chain
-        if drv not in found:
-            found.append(drv)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            drv = frame.f_locals.get("self")
+            if isinstance(drv, Driver) and drv not in found:
+                found.append(drv)
+        frame = frame.f_back
     return found
 
 
