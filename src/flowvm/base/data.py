@@ -359,7 +359,8 @@ class Batches:
             self.close()
             self.start_workers()
             pool = self.__dict__["_pool"]
-        window = list(self._ahead(self.workers * self.prefetch))
+        window = list(self._ahead(self.workers * self.prefetch + 1))  # this batch, and as many in flight
+        # while the program works on it as prefetch asks
         keys = [(self.seed, e, p) for e, p in window]
         pool.keep_only(set(keys))
         per_epoch = len(self)

@@ -96,7 +96,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _worker_main(conn, owner: int, pdeathsig: bool, maker: Any) -> None:
+def _worker_main(tasks, results, owner: int, pdeathsig: bool, maker: Any) -> None:
     _die_with_parent(owner, pdeathsig)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     torch = sys.modules.get("torch")
@@ -106,10 +106,10 @@ def _worker_main(conn, owner: int, pdeathsig: bool, maker: Any) -> None:
         import cloudpickle
 
         maker = cloudpickle.loads(maker)
-    outbox = _sender(conn)
+    outbox = _sender(results)
     while True:
         try:
-            task = conn.recv()
+            task = tasks.recv()
         except (EOFError, OSError):
             os._exit(0)
         if task is None:
@@ -153,7 +153,8 @@ class WorkerPool:
         self.ctx = multiprocessing.get_context(self.method)
         self.n = n
         self.procs: list = []
-        self.conns: list = []
+        self.conns: list = []  # per worker: the pipe its batches come back on
+        self.tasks: list = []  # per worker: the pipe its tasks go out on
         self.outstanding = [collections.deque() for _ in range(n)]  # per worker: keys sent, not yet read
         self.where: dict = {}  # key -> the worker it was sent to (until read)
         self.ready: dict = {}  # key -> batch read ahead of its turn
@@ -177,13 +178,17 @@ class WorkerPool:
 
     def _start(self, maker: Any, pdeathsig: bool) -> None:
         for _ in range(self.n):
-            parent_end, child_end = self.ctx.Pipe(duplex=True)
-            proc = self.ctx.Process(target=_worker_main, args=(child_end, os.getpid(), pdeathsig, maker),
+            task_r, task_w = self.ctx.Pipe(duplex=False)
+            result_r, result_w = self.ctx.Pipe(duplex=False)
+            _widen(result_w)
+            proc = self.ctx.Process(target=_worker_main, args=(task_r, result_w, os.getpid(), pdeathsig, maker),
                                     name="flowvm-batches-worker", daemon=True)
             proc.start()
-            child_end.close()
+            task_r.close()
+            result_w.close()
             self.procs.append(proc)
-            self.conns.append(parent_end)
+            self.conns.append(result_r)
+            self.tasks.append(task_w)
 
     def _start_quietly(self, payload: bytes, pdeathsig: bool) -> None:
         try:
@@ -215,7 +220,7 @@ class WorkerPool:
     def submit(self, worker: int, key, seed: int, epoch: int, indices) -> None:
         self.wait_started()
         try:
-            self.conns[worker].send((key, seed, epoch, indices))
+            self.tasks[worker].send((key, seed, epoch, indices))
         except OSError:  # a dead worker: take() reports it
             pass
         self.outstanding[worker].append(key)
@@ -286,7 +291,7 @@ class WorkerPool:
             return
         if self._starter is not None:
             self._starter.join()
-        for conn in self.conns:
+        for conn in self.tasks:
             try:
                 conn.send(None)
             except (OSError, ValueError):
@@ -297,11 +302,25 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=1)
-        for conn in self.conns:
+        for conn in self.conns + self.tasks:
             conn.close()
         self.where.clear()
         self.ready.clear()
         self.indices.clear()
+
+
+def _widen(conn) -> None:
+    """Let a batch pipe hold as much as the system allows (Linux: /proc/sys/fs/pipe-max-size, 1 MiB by
+    default, against 64 KiB), so that a worker hands over a batch in one write, rather than in pieces, each
+    waiting for the parent to read the last (on a busy machine, for the parent to be scheduled)."""
+    try:
+        import fcntl
+
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            size = int(f.read())
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, min(size, 1 << 26))
+    except (ImportError, AttributeError, OSError, ValueError):  # not Linux: the default size
+        pass
 
 
 def _main_hint(method: str) -> str:
