@@ -14,7 +14,8 @@ from .base.sentinels import INCOMPLETE, PENDING
 from .program.elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, Leaf
 from .base.errors import (CheckpointError, CommandError, EditError, FlowError, PassError, RegisterError, SourceError,
                           SpawnError, SpawnTimeout, SpawnVersionError, SwitchError, UnknownPassError,
-                          VerifyError, SpawnVersionWarning, CopyWarning, DataError, FusionWarning, SettingsWarning)
+                          VerifyError, SpawnVersionWarning, CopyWarning, DataError, FusionWarning, SettingsWarning,
+                          WorkerError)
 from .program.registers import Register, Registers
 from .program.verify import verify
 from .machine.depends import Depends
@@ -44,7 +45,7 @@ __all__ = [
     "POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout", "SpawnVersionError",
     "SpawnVersionWarning", "register_executor",
     "CopyWarning", "FusionWarning", "SettingsWarning",
-    "Batches", "load_data", "DataError",
+    "Batches", "load_data", "DataError", "WorkerError",
     "Depends", "ANY", "EditError", "isolate", "template", "to_dot", "to_mermaid",
     "to_source", "from_source", "SourceError",
     "__version__",

@@ -8,7 +8,7 @@ import pytest
 
 from flowvm.editing.edit import EditError
 from flowvm.base.errors import CheckpointError, FlowError, RegisterError, SwitchError, VerifyError
-from flowvm.base.errors import SpawnError, SpawnTimeout
+from flowvm.base.errors import SpawnError, SpawnTimeout, WorkerError
 from flowvm.passes import PassError, UnknownPassError
 from flowvm.processes.leaves import CommandError
 from flowvm.views.source import SourceError
@@ -26,6 +26,7 @@ SAMPLES = [
     SpawnTimeout("the fragment ran longer than the timeout of 1 s"),
     FlowError("plain"),
     UnknownPassError("no optimizer pass named 'nope'; known passes: flatten", "nope"),
+    WorkerError("Batches: worker 1 (pid 123) failed on sample 7: ValueError"),
 ]
 
 COPIERS = {

@@ -203,6 +203,11 @@ class DataError(FlowError, ValueError):
     """Data a program cannot use; the message names the file (or argument), row and column at fault."""
 
 
+class WorkerError(FlowError, RuntimeError):
+    """A batch could not be made in a worker process: the sample's preparation raised (the worker's
+    traceback is in the message) or the worker died."""
+
+
 class FusionWarning(RuntimeWarning):
     """A fused step could not be compiled and runs eagerly."""
 

@@ -35,14 +35,11 @@ import time
 import traceback
 from typing import Any, Callable
 
+from .errors import WorkerError
+
 __all__ = ["WorkerPool", "WorkerError", "start_method_for"]
 
 _PR_SET_PDEATHSIG = 1
-
-
-class WorkerError(RuntimeError):
-    """A batch could not be made in a worker process: the sample's preparation raised (the worker's
-    traceback is in the message) or the worker died."""
 
 
 def start_method_for(requested: str | None) -> str:
