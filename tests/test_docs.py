@@ -219,3 +219,14 @@ def test_pages_are_found():
     # the suite must not pass by finding nothing
     assert (REPO / "README.md") in PAGES and len(PAGES) > 5
     assert python_blocks(REPO / "README.md"), "README.md has no ```python block"
+
+
+def test_every_pip_install_of_an_extra_quotes_its_brackets():
+    # zsh expands unquoted brackets (pip install flowvm[torch] fails there with "no matches found")
+    unquoted = re.compile(r"pip install[^\n`]*?(?<!['\"\w])[\w.\-/]+\[[\w,]+\]")
+    found = [f"{_label(page)}: {m.group(0)}" for page in PAGES
+             for m in unquoted.finditer(page.read_text(encoding="utf-8"))]
+    found += [f"src/{p.relative_to(REPO / 'src')}: {m.group(0)}" for p in (REPO / "src").rglob("*.py")
+              for m in unquoted.finditer(p.read_text(encoding="utf-8"))]
+    assert not found, "unquoted extras: " + "; ".join(found)
+    assert unquoted.search("pip install flowvm[torch]") and not unquoted.search("pip install 'flowvm[torch]'")
