@@ -98,3 +98,36 @@ def build_training(steps=10**6):
         CALL(opt.step),
     ]))])
 
+
+
+def test_the_compile_threads_setting_back_the_process_wide_settings_changes_nothing():
+    """Dynamo sets the default dtype and deterministic algorithms back to what they were when its trace
+    began; from the compile thread, after the program changed them meanwhile, that would undo the change."""
+    import threading
+
+    from flowvm.fused.isolation import isolate_random_state
+
+    done = threading.Event()
+    go = threading.Event()
+
+    def compile_thread():
+        go.wait(10)
+        torch.set_default_dtype(torch.float32)  # what dynamo's preserve_global_state does at its end
+        torch.use_deterministic_algorithms(False)
+        done.set()
+
+    thread = threading.Thread(target=compile_thread, name="flowvm-compile-test")
+    isolate_random_state(thread)
+    thread.start()
+    try:
+        torch.set_default_dtype(torch.float64)  # the program's own changes, made while the compile runs
+        torch.use_deterministic_algorithms(True)
+        go.set()
+        assert done.wait(10)
+        thread.join(10)
+        assert torch.get_default_dtype() is torch.float64 and torch.are_deterministic_algorithms_enabled()
+        torch.set_default_dtype(torch.float32)  # the program's own thread still sets them
+        assert torch.get_default_dtype() is torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)
+        torch.use_deterministic_algorithms(False)

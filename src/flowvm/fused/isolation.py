@@ -17,6 +17,7 @@ from __future__ import annotations
 import builtins
 import functools
 import threading
+import weakref
 from typing import Any, Callable
 
 _lock = threading.Lock()
@@ -73,10 +74,11 @@ def isolate_tracing(thread: threading.Thread) -> bool:
 
 
 _rng_installed = False
+_compile_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 def isolate_random_state(thread: threading.Thread) -> None:
-    """Restoring the global random generators from ``thread`` becomes a no-op (once per process).
+    """Restoring the global random generators and settings from ``thread`` becomes a no-op.
 
     Dynamo saves torch's and Python's global generators when it starts compiling a frame and sets them
     back when it is done (``preserve_global_state``, and eval_frame_cpp.cpp for ``random``), and inductor
@@ -84,14 +86,16 @@ def isolate_random_state(thread: threading.Thread) -> None:
     time they set them back the program may have drawn from them on the main thread (the compile thread
     lets the program go on once the real tensors are read), and setting them back would replay those
     numbers.  The compile thread draws nothing, so leaving the generators where the program has moved
-    them is exact (tests/fused/test_isolation.py checks both)."""
+    them is exact (tests/fused/test_isolation.py checks both).  The same holds for the process-wide
+    settings dynamo sets back when it is done (the default dtype, deterministic algorithms, CUDA's matmul
+    precision): the program may have changed them while inductor compiled, and setting them back would
+    silently undo that change."""
     global _rng_installed
     with _lock:
+        _compile_threads.add(thread)
         if _rng_installed:
             return
         import torch
-
-        ident = lambda: thread.ident  # noqa: E731
 
         def thread_aware(module, name):
             orig = getattr(module, name, None)
@@ -100,7 +104,7 @@ def isolate_random_state(thread: threading.Thread) -> None:
 
             @functools.wraps(orig)
             def set_state(*args, **kwargs):
-                if threading.get_ident() == ident():
+                if threading.current_thread() in _compile_threads:
                     return None
                 return orig(*args, **kwargs)
 
@@ -115,4 +119,9 @@ def isolate_random_state(thread: threading.Thread) -> None:
         if hasattr(torch, "cuda"):
             thread_aware(torch.cuda, "set_rng_state")
             thread_aware(torch.cuda, "set_rng_state_all")
+        # the process-wide settings dynamo's preserve_global_state sets back (grad and inference mode are
+        # per thread: setting them back on the compile thread changes nothing of the program's)
+        thread_aware(torch, "set_default_dtype")
+        thread_aware(torch, "use_deterministic_algorithms")
+        thread_aware(torch._C, "_set_fp32_precision_setter")
         _rng_installed = True
