@@ -26,8 +26,8 @@ from ..pickled import stable
 from .compile import leaf_function
 from . import fastpaths, history
 from .fastpaths import repeat_leaf, repeat_seq, repeat_woven
-from .frames import (ELEMENT, REPEAT_I, REPEAT_N, SEQ_POS, child_index, credit_weaves, marks, repeat_counted,
-                     seq_moved, settle, take_turn)
+from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, child_index, credit_weaves, marks,
+                     settle, take_turn)
 from ..base.environment import apply_random, apply_settings, capture_random, capture_settings, check_settings
 from ..program.elements import REPEAT, SEQ, WEAVE, Element, provide, tool
 from ..base.errors import RegisterError, SwitchError
@@ -120,6 +120,7 @@ class Driver:
     # runs, and the frames around it that the fast paths use.
     _leaf = None
     _fast = None
+    _step_fast = None  # _fast, for step(): None when watched (each step then records through the general path)
     _watch = None  # the run's history of metrics, when watched (see flowvm.machine.history)
     # Plain state (pickled): the index of the outermost of the frames that the last settle entered
     # and that have taken no step since (from there up to the next leaf); None: the leaf alone.
@@ -132,7 +133,7 @@ class Driver:
     def step(self) -> Any:
         """Run one leaf action; return INCOMPLETE, or the program's value once it is finished."""
         try:
-            fast = self._fast
+            fast = self._step_fast
             if fast is not None:
                 i = fast[REPEAT_I] + 1
                 if i < fast[REPEAT_N]:
@@ -140,9 +141,12 @@ class Driver:
                     value = self._leaf()
                     self.steps += 1
                     self._fresh = None
-                    repeat_counted(self, fast, i, value)
-                    if self._watch is not None:
-                        history.record(self)
+                    # frames.repeat_counted, written out: the call cost 15% of this step (bench/bench_core.py)
+                    fast[REPEAT_I] = i
+                    fast[REPEAT_LAST] = value
+                    counter = fast[ELEMENT].counter
+                    if counter is not None:
+                        self.registers[counter.name] = i
                     return INCOMPLETE
             if self._leaf is None and not self._prepare():
                 if self._watch is not None:
@@ -330,6 +334,7 @@ class Driver:
         from ..program.analysis import static_steps
 
         history.watch(self, names, every, static_steps(self.program))
+        self._step_fast = None  # step() records the history now: no more of the fast path that would not
         return self
 
     @property
@@ -344,6 +349,7 @@ class Driver:
         state.pop("step", None)  # (a watched driver of older versions had a step of its own)
         state.pop("_leaf", None)
         state.pop("_fast", None)
+        state.pop("_step_fast", None)
         state.pop("_fastseq", None)
         state.pop("_around", None)
         state.pop("_woven", None)
@@ -358,7 +364,7 @@ class Driver:
         whoever changes the program or the frames in place (hot patches, in-place edits).  When the element
         the driver was about to run became a container, the next step settles into it."""
         self._weave = has_weave(self.program)
-        self._leaf = self._fast = self._fastseq = self._around = self._woven = None
+        self._leaf = self._fast = self._step_fast = self._fastseq = self._around = self._woven = None
         stack = self._stack
         if self._ready and stack and not stack[-1][ELEMENT].is_leaf:
             self._ready = False
@@ -550,6 +556,8 @@ class Driver:
                 if kind is REPEAT:
                     if around is None:
                         self._fast = parent
+                        if self._watch is None:  # a watched step records its history: the general path
+                            self._step_fast = parent
                     else:
                         self._woven = (around, parent, None)
                 elif kind is SEQ and len(stack) > 2 and type(stack[-3][ELEMENT]) is REPEAT \
@@ -574,8 +582,9 @@ class Driver:
                     if type(nxt).simple_leaf:
                         # what settling would do: the SEQ moves on (its children's values are dropped)
                         self.steps += 1
-                        seq_moved(stack, fr, pos)
-                        self._leaf = self._fast = self._fastseq = self._woven = self._fresh = None
+                        fr[SEQ_POS] = pos  # frames.seq_moved, written out (see step)
+                        stack[-1] = [nxt]
+                        self._leaf = self._fast = self._step_fast = self._fastseq = self._woven = self._fresh = None
                         if self._around is not None and take_turn(self, self._around):
                             self.settle_after_turn()  # the turn passed to another child of a WEAVE
                             return
@@ -590,7 +599,7 @@ class Driver:
         self._carry = value
         self._ready = False
         around = self._around  # the WEAVE frames around the leaf, found by _prepare
-        self._leaf = self._fast = self._fastseq = self._around = self._woven = None
+        self._leaf = self._fast = self._step_fast = self._fastseq = self._around = self._woven = None
         if around is not None:
             credit_weaves(self, around)
         try:
@@ -612,7 +621,7 @@ class Driver:
         """A WEAVE's turn ended after a step (the stack may hold another child's frames now): settle into
         the next leaf, as after any leaf; a move that fails is retried, and raised, by the next step."""
         self._ready = False
-        self._leaf = self._fast = self._fastseq = self._around = self._woven = None
+        self._leaf = self._fast = self._step_fast = self._fastseq = self._around = self._woven = None
         try:
             self._prepare()
         except Exception:
