@@ -295,7 +295,7 @@ def test_list_names_every_bundled_program_with_its_first_doc_line():
     assert pca_lines[0].split(None, 1)[1] == "Principal component analysis over a stream of samples."
     options = out[out.index(pca_lines[0]) + 1]
     assert options.startswith(" ") and options.strip() == \
-        "options: samples=1000 batches=5 dim=13 components=3 seed=123 data=None"
+        "options: samples=1000 batches=5 dim=13 components=3 seed=123 data=None drop=None"
     assert k == sorted(names).index("pca")
     assert [n for n, _, _ in bundled_programs()] == names
 
