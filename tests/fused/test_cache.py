@@ -144,6 +144,7 @@ def test_an_entry_that_does_not_load_is_ignored_and_evicted(cache_dir, monkeypat
     rt = fast.body.runtime()
     key = jobs.describe(rt.el, rt.generated, rt.settings.options, (reg["x"],)).key
     (cache_dir / key).mkdir(parents=True)
+    cache.add_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)))  # as a compile that stored it does
     (cache_dir / key / outofprocess.PACKAGE).write_bytes(b"not a package")
     fast.run()
     assert not rt.cached and rt.hits == 0 and not (cache_dir / key).exists()
@@ -156,6 +157,7 @@ def test_an_entry_whose_first_result_differs_from_eager_is_evicted(cache_dir, mo
     rt = fast.body.runtime()
     key = jobs.describe(rt.el, rt.generated, rt.settings.options, (reg["x"],)).key
     (cache_dir / key).mkdir(parents=True)
+    cache.add_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)))  # as a compile that stored it does
     head = rt.generated.head
     monkeypatch.setattr(outofprocess, "load_plain", lambda path: lambda inputs: [o + 1 for o in head(*inputs)])
     monkeypatch.setattr(runtime, "_compiler_ready", lambda names: False)  # the thread's compile: not here
@@ -207,7 +209,25 @@ def test_a_second_run_of_a_program_starts_with_its_step_compiled_from_the_cache(
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     first, second = runs
     assert first["hits"] > 0 and first["refused"] is None and not first["cached"]
-    assert len(os.listdir(cache_dir)) == 1  # the package, stored
+    assert len([n for n in os.listdir(cache_dir) if n != cache.HINTS]) == 1  # the package, stored
+    assert len(os.listdir(cache_dir / cache.HINTS)) == 1  # and its hint
     assert second["cached"] and second["refused"] is None and second["close"]
     assert second["early"] >= 1 and second["hits"] > 100  # compiled from its first executions (verified, timed)
     assert "measured compiled" in second["header"]
+
+
+def test_a_step_the_cache_never_stored_is_not_pickled_for_a_lookup(cache_dir, monkeypatch):
+    """The first execution of a step looks it up by a cheap hint first: no hint, no pickling of the step."""
+    prog, reg = _chain()
+    fast = fuse_torch(prog)
+    rt = fast.body.runtime()
+    described = []
+    real = jobs.describe
+    monkeypatch.setattr(jobs, "describe", lambda *a: described.append(1) or real(*a))
+    fast.run()
+    assert described == [] and not rt.cached
+    cache.add_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)))
+    prog, reg = _chain()
+    again = fuse_torch(prog)
+    again.run()
+    assert described == [1]  # a hint the cache saw: the step is pickled for its key (not there: a miss)

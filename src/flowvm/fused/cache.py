@@ -28,6 +28,7 @@ import time
 FORMAT = 1                      # the entries' layout; a change makes every older entry a miss
 MAX_BYTES = 2 * 1024 ** 3
 TEMP_PREFIX = ".tmp-"
+HINTS = ".hints"                # empty files named by the hints of the steps stored (see may_hold)
 _OFF = {"", "off", "0", "none", "false", "no"}
 
 
@@ -67,6 +68,26 @@ def key(payload: bytes) -> str:
         h.update(str(part).encode() + b"\0")
     h.update(_GENERATED.sub(b"<flowvm FUSED>", payload))
     return h.hexdigest()[:40]
+
+
+def may_hold(hint: str) -> bool:
+    """Whether an entry of a step with this hint (``jobs.hint``: a cheap digest of the step's code, layouts and
+    settings) may be in the cache: when not, a lookup need not pickle the step to compute its key."""
+    where = root()
+    return where is not None and os.path.exists(os.path.join(where, HINTS, hint))
+
+
+def add_hint(hint: str) -> None:
+    """Note that an entry of a step with this hint was stored (the cache is an optimization: errors pass)."""
+    where = root()
+    if where is None:
+        return
+    try:
+        os.makedirs(os.path.join(where, HINTS), exist_ok=True)
+        with open(os.path.join(where, HINTS, hint), "a"):
+            pass
+    except OSError:
+        pass
 
 
 def lookup(k: str) -> str | None:
@@ -134,6 +155,8 @@ def trim(where: str, limit: int) -> None:
         try:
             st = os.stat(path)
         except OSError:
+            continue
+        if name == HINTS:
             continue
         if name.startswith(TEMP_PREFIX):
             if now - st.st_mtime > 3600:

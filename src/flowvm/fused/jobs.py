@@ -70,3 +70,17 @@ def _by_reference(cls: type) -> bool:
     except (ImportError, AttributeError):  # pragma: no cover - an older cloudpickle
         by_value = set()
     return obj is cls and module.__name__.split(".")[0] not in by_value and module.__name__ not in by_value
+
+
+def hint(gen: Any, options: dict, args: tuple) -> str:
+    """A cheap digest of what a step's key depends on most (its generated code, its inputs' layouts, the
+    compiler's options and the torch settings), without pickling it: a step whose hint the cache never saw
+    is not in it (``cache.may_hold``), and its first execution pays nothing for the lookup."""
+    import hashlib
+
+    from .checks import settings
+
+    layouts = [(tuple(a.shape), tuple(a.stride()), str(a.dtype)) if hasattr(a, "stride") else type(a).__name__
+               for a in args]
+    text = repr((gen.source, layouts, sorted(dict(options).items()), sorted(settings().items(), key=str)))
+    return hashlib.sha1(text.encode()).hexdigest()

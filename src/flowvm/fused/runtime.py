@@ -477,6 +477,7 @@ class Runtime:
         if job.key is not None and self._cached(job):
             self._job_done = True  # the next execution runs it
             return True
+        hint = jobs.hint(self.generated, self.settings.options, args) if job.key is not None else None
         start = time.perf_counter()
 
         def done(run, error):
@@ -485,6 +486,8 @@ class Runtime:
                     self._direct = (job.layouts, run, run, job.reads)
                     self._verify = True  # the first call is checked against eager (_after_first_direct_call)
                     self._cache_key = job.key
+                    if job.key is not None:
+                        cache.add_hint(hint)
                     self.compile_seconds.append(time.perf_counter() - start)
                     compiler_seconds.append(self.compile_seconds[-1])
             finally:
@@ -529,6 +532,8 @@ class Runtime:
         if cache.root() is None or not self._may_go_out_of_process():
             return False
         try:
+            if not cache.may_hold(jobs.hint(self.generated, self.settings.options, args)):
+                return False  # never stored: no need to pickle the step for its key
             job = jobs.describe(self.el, self.generated, self.settings.options, args)
         except Exception:  # it does not pickle: the compile says why, in its time
             return False
