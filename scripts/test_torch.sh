@@ -35,5 +35,7 @@ fi
 "$venv/bin/pip" install -q --force-reinstall --no-deps "$wheel"  # the wheel just built
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 # test_cross_python.py resumes runs under other Python versions, not other torches: the main suite runs it.
-timeout 900 "$venv/bin/python" -m pytest -q -rs -p no:randomly tests/test_package.py tests/base tests/program \
-    tests/machine tests/persist tests/fused --ignore=tests/persist/test_cross_python.py "$@"
+# FLOWVM_TORCH_TESTS: the test folders (default: core, persist and fused).
+tests=${FLOWVM_TORCH_TESTS:-tests/test_package.py tests/base tests/program tests/machine tests/persist tests/fused}
+# shellcheck disable=SC2086
+timeout 1200 "$venv/bin/python" -m pytest -q -rs -p no:randomly $tests --ignore=tests/persist/test_cross_python.py "$@"
