@@ -108,9 +108,9 @@ def test_a_training_step_with_modules_compiles_in_a_child_process_and_trains_as_
                                compile_after=0, payback=0, form="compiled")
             inf_rt = next(e for _, e in infer.walk() if type(e).__name__ == "FUSED").runtime()
             d2 = infer.start()
+            d2.run(max_steps=2)  # the compile starts; the 400 iterations wait for its package
             deadline = time.time() + 240
             while inf_rt._direct is None and inf_rt.refused is None and time.time() < deadline:
-                d2.run(max_steps=2)
                 time.sleep(0.05)
             d2.run()
             p = reg["p"]
