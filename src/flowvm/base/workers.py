@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from .errors import WorkerError
 
-__all__ = ["WorkerPool", "WorkerError", "start_method_for"]
+__all__ = ["WorkerPool", "WorkerError", "process_alive", "start_method_for"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -68,23 +68,22 @@ def _die_with_parent(owner: int, pdeathsig: bool) -> None:
         except (OSError, AttributeError):  # pragma: no cover - no prctl: the thread below does it
             pass
     parent = os.getppid()
-    if not _alive(owner):  # gone before the death signal was armed
+    if not process_alive(owner):  # gone before the death signal was armed
         os._exit(1)
 
     def watch() -> None:
-        while os.getppid() == parent and _alive(owner):
+        while os.getppid() == parent and process_alive(owner):
             time.sleep(0.2)
         os._exit(1)
 
     threading.Thread(target=watch, name="flowvm-batches-parent-watch", daemon=True).start()
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process pid runs (a zombie, dead but not yet reaped, does not; nor a pid now another user's)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - the pid is now another user's
+    except (ProcessLookupError, PermissionError):
         return False
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -41,6 +41,7 @@ from typing import Any
 
 from ..pickled import stable
 from ..base.errors import SpawnError
+from ..base.workers import process_alive
 from .starts import move_unstarted, report_starts_to, stop_reading, watch_starts
 
 _lock = threading.RLock()
@@ -280,24 +281,11 @@ def worker_setup(parent: int, started=None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
-        while _alive(parent):
+        while process_alive(parent):
             time.sleep(0.5)
         os._exit(1)
 
     threading.Thread(target=watch, name="flowvm-parent-watch", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    """Whether process pid runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):  # gone, or the pid is now another user's
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):  # not Linux
-        return True
 
 
 def shutdown_default_executor(kill: bool = False) -> None:
