@@ -322,7 +322,7 @@ def environment() -> dict:
     try:  # which code was measured; absent outside a git checkout
         env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                                            text=True, timeout=10).stdout.strip()
-        env["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=REPO_ROOT,
+        env["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--", "flowvm", "programs"], cwd=REPO_ROOT,
                                                capture_output=True, text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         pass

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flowvm import Batches  # noqa: E402
 
 N, SHAPE, BATCH = 4096, (3, 32, 32), 64

@@ -31,7 +31,7 @@ from pathlib import Path
 from time import perf_counter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "src"))  # sections 2a and 2b measure this checkout's flowvm, installed or not
+sys.path.insert(0, str(REPO_ROOT))  # sections 2a and 2b measure this checkout's flowvm, installed or not
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "shipping.json"
 BEFORE_SHIPPING = "e923619"  # the last commit whose SPAWNs pickled every fragment by reference
 
@@ -73,7 +73,7 @@ def local_pool(against: str, trips: int, rounds: int) -> dict | None:
             print(f"cannot check out {against}: {made.stderr.strip()}")
             return None
         try:
-            sides = {"this checkout": REPO_ROOT / "src", f"{against} (before shipping)": old / "src"}
+            sides = {"this checkout": REPO_ROOT, f"{against} (before shipping)": old / "src" if (old / "src").is_dir() else old}
             samples: dict[str, list] = {k: [] for k in sides}
             for r in range(rounds):
                 order = list(sides) if r % 2 == 0 else list(reversed(sides))

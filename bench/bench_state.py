@@ -53,7 +53,7 @@ from time import perf_counter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "state.json"
-sys.path.insert(0, str(REPO_ROOT / "src"))  # this checkout's flowvm, installed or not
+sys.path.insert(0, str(REPO_ROOT))  # this checkout's flowvm, installed or not
 
 import numpy as np  # noqa: E402
 import safetensors  # noqa: E402

@@ -12,4 +12,6 @@ wheel=$(ls dist/*.whl)
 # torch is pinned so that pip takes the local CPU build on this project's machines.
 .venv/bin/pip install torch==2.13.0 "$wheel[test]"
 .venv/bin/pip install --force-reinstall --no-deps "$wheel"  # the wheel just built, even at an unchanged version
-.venv/bin/python -m pytest "$@"
+# -P: the checkout (the current directory) is not put on sys.path, so `import flowvm` is the installed wheel,
+# not the flowvm/ folder beside this script.
+.venv/bin/python -P -m pytest "$@"

@@ -38,4 +38,4 @@ fi
 # FLOWVM_TORCH_TESTS: the test folders (default: core, persist and fused).
 tests=${FLOWVM_TORCH_TESTS:-tests/test_package.py tests/base tests/program tests/machine tests/persist tests/fused}
 # shellcheck disable=SC2086
-timeout 1200 "$venv/bin/python" -m pytest -q -rs -p no:randomly $tests --ignore=tests/persist/test_cross_python.py "$@"
+timeout 1200 "$venv/bin/python" -P -m pytest -q -rs -p no:randomly $tests --ignore=tests/persist/test_cross_python.py "$@"

@@ -7,7 +7,8 @@ import sys
 os.environ["FLOWVM_CACHE_DIR"] = "off"
 
 # The tests import their helper modules (toy, progen, ...) from this folder; flowvm itself is the
-# installed package, never the source tree (the repository keeps it under src/).
+# installed package, never the source tree: scripts/test.sh runs `python -P -m pytest`, so the checkout's
+# flowvm/ folder is not on the path.
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)

@@ -226,7 +226,7 @@ def test_every_pip_install_of_an_extra_quotes_its_brackets():
     unquoted = re.compile(r"pip install[^\n`]*?(?<!['\"\w])[\w.\-/]+\[[\w,]+\]")
     found = [f"{_label(page)}: {m.group(0)}" for page in PAGES
              for m in unquoted.finditer(page.read_text(encoding="utf-8"))]
-    found += [f"src/{p.relative_to(REPO / 'src')}: {m.group(0)}" for p in (REPO / "src").rglob("*.py")
-              for m in unquoted.finditer(p.read_text(encoding="utf-8"))]
+    found += [f"{p.relative_to(REPO)}: {m.group(0)}" for folder in ("flowvm", "programs")
+              for p in (REPO / folder).rglob("*.py") for m in unquoted.finditer(p.read_text(encoding="utf-8"))]
     assert not found, "unquoted extras: " + "; ".join(found)
     assert unquoted.search("pip install flowvm[torch]") and not unquoted.search("pip install 'flowvm[torch]'")

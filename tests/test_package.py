@@ -20,7 +20,7 @@ def test_flowvm_is_the_installed_package():
     assert any(s in where.parents for s in site), (
         f"the tests import flowvm from {where}, not from site-packages ({', '.join(map(str, site))}): "
         "install the wheel (README, 'Set up and pass the tests') and run pytest from the checkout")
-    assert REPO / "src" not in where.parents
+    assert where.parent != REPO / "flowvm", "the tests import the checkout's flowvm/ folder, not the installed wheel"
 
 
 def _modules():
@@ -30,12 +30,14 @@ def _modules():
 
 
 def test_every_module_is_shipped_and_imports():
-    # Each source file under src/ is in the installed package (a package left out of the wheel shows here).
-    source = REPO / "src" / "flowvm"
-    if source.is_dir():
-        wanted = {".".join(p.relative_to(source.parent).with_suffix("").parts).removesuffix(".__init__")
-                  for p in source.rglob("*.py")}
-        assert wanted - set(_modules()) == set()
+    # Each source file of the checkout's flowvm/ and programs/ (installed as flowvm.programs) is in the
+    # installed package: a package left out of the wheel shows here.
+    wanted = set()
+    for folder, package in ((REPO / "flowvm", "flowvm"), (REPO / "programs", "flowvm.programs")):
+        if folder.is_dir():
+            wanted |= {".".join((package, *p.relative_to(folder).with_suffix("").parts)).removesuffix(".__init__")
+                       for p in folder.rglob("*.py")}
+    assert wanted - set(_modules()) == set()
     importlib.import_module("flowvm_cli")  # the command's entry point, a module beside the package
     for name in _modules():
         if name.endswith("__main__"):
