@@ -7,6 +7,30 @@
 '6'
 """
 
+def _programs_beside():
+    """The bundled programs are the repository's top-level programs/ folder, which the wheel installs as
+    flowvm.programs.  Imported from a checkout (`python -m flowvm run pca` in its root), this package has no
+    programs/ subfolder: flowvm.programs is then the folder beside it."""
+    import importlib.util
+    import os
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    beside = os.path.join(os.path.dirname(here), "programs")
+    init = os.path.join(beside, "__init__.py")
+    if (os.path.isdir(os.path.join(here, "programs")) or "flowvm.programs" in sys.modules
+            or not os.path.isfile(init) or not os.path.isfile(os.path.join(beside, "..", "flowvm_cli.py"))):
+        return
+    spec = importlib.util.spec_from_file_location("flowvm.programs", init, submodule_search_locations=[beside])
+    if importlib.util.find_spec("flowvm.programs") is not None:  # an editable install maps it already
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["flowvm.programs"] = module
+    spec.loader.exec_module(module)
+    setattr(sys.modules[__name__], "programs", module)
+
+
+_programs_beside()
+
 from .persist.checkpoint import load, read_header, save
 from .persist.state import load_state, save_state
 from .machine.driver import Driver

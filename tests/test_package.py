@@ -54,3 +54,20 @@ def test_docstring_examples(name):
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{result.failed} docstring example(s) of {name} failed (printed above)"
+
+
+def test_a_checkout_finds_its_bundled_programs_beside_the_package(tmp_path):
+    # In a checkout, flowvm/ and programs/ are side by side; `python -m flowvm run pca` in its root imports
+    # the flowvm/ folder, which must then find flowvm.programs in programs/.
+    if not (REPO / "flowvm" / "__init__.py").is_file():
+        pytest.skip("no checkout beside the tests")
+    import os
+    import subprocess
+    import sys
+    code = "import flowvm, flowvm.programs.pca as p; print(flowvm.__file__); print(p.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    package, programs = out.stdout.split()
+    assert Path(package) == REPO / "flowvm" / "__init__.py"
+    assert Path(programs) == REPO / "programs" / "pca.py"
