@@ -28,6 +28,23 @@ def check_options(program: str, counts: dict | None = None, positive: dict | Non
             raise ValueError(f"{program}: {name} must be > 0, got {value}")
 
 
+def batch_options(program: str, workers, prefetch) -> dict:
+    """``Batches``' ``workers`` and ``prefetch`` options of a program (``--set workers=N``), checked: an int
+    >= 0 and an int >= 1, else ValueError/TypeError naming the program and the option.  Any number of workers
+    serves the same batches in the same order (``flowvm.Batches``), so the option changes speed only.
+
+    >>> batch_options("mlp", 2, 2)
+    {'workers': 2, 'prefetch': 2}
+    """
+    if isinstance(workers, bool) or not isinstance(workers, _numbers.Integral):
+        raise TypeError(f"{program}: workers must be an int >= 0, got {type(workers).__name__} {workers!r}")
+    if workers < 0:
+        raise ValueError(f"{program}: workers must be >= 0 (0: batches made in the program's own thread), "
+                         f"got {workers}")
+    check_options(program, counts=dict(prefetch=prefetch))
+    return {"workers": int(workers), "prefetch": int(prefetch)}
+
+
 def plural(n: int, word: str) -> str:
     """``1 batch``, ``2 batches``, ``1 sample``, ``3 samples``: a count and the word it counts.
 

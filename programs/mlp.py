@@ -33,7 +33,7 @@ import torch
 
 from flowvm import CALL, LOOP, REPEAT, SEQ, WEAVE, Batches, DataError, Registers, load_data
 from flowvm.base.dataset import Data
-from flowvm.programs import check_options
+from flowvm.programs import batch_options, check_options
 
 SHOW = ["epoch", "loss", "accuracy"]
 THREADS = 1  # this small model runs far faster on one torch thread than on several; build() declares it
@@ -208,32 +208,36 @@ def labelled(data, label, val_fraction: float | None, seed: int, drop=None):
     return train, val, given.classes, given.source
 
 
+def training_data(samples: int, seed: int, data, label, val_fraction, drop):
+    """(training part, held-out part or None, classes, source name): of data, else of the spirals."""
+    if val_fraction is not None and (isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float))
+                                     or not 0 <= val_fraction < 1):
+        raise ValueError(f"mlp: val_fraction must be a number in [0, 1), got {val_fraction!r}")
+    if data is not None:
+        return labelled(data, label, val_fraction, seed, drop)
+    if label is not None:
+        raise ValueError("mlp: label= names the label column of a .csv file given as data=")
+    x, y = spirals(samples, seed=seed)
+    if val_fraction is None:  # the spirals' first third is held out
+        held_out = samples // 3
+        return Data(x[held_out:], y[held_out:], "spirals"), Data(x[:held_out], y[:held_out], "spirals"), 3, "spirals"
+    train, val = Data(x.numpy(), y.numpy(), "spirals").split(val_fraction, seed)
+    return train, val, 3, "spirals"
+
+
 def build(samples: int = 3000, hidden: int = 64, layers: int = 2, epochs: int = 20, batch_size: int = 64,
           optimizer: str = "adam", lr: float | None = None, eval_every: int = 50, log_every: int = 25,
-          seed: int = 0, data=None, label=None, val_fraction=None, drop=None):
+          seed: int = 0, data=None, label=None, val_fraction=None, drop=None, workers: int = 0, prefetch: int = 2):
     """Train an MLP on spirals, or on data (then samples is not used); evaluate every `eval_every` and log every
-    `log_every` updates on the held-out fraction `val_fraction` (on the training data when it is 0)."""
+    `log_every` updates on the held-out fraction `val_fraction` (on the training data when it is 0).  `workers`
+    worker processes make the minibatches ahead, `prefetch` each (the same batches, in the same order, as 0)."""
     if optimizer not in ("adam", "sgd"):
         raise ValueError(f"mlp: optimizer must be 'adam' or 'sgd', got {optimizer!r}")
     check_options("mlp", counts=dict(samples=samples, hidden=hidden, layers=layers, epochs=epochs,
                                      batch_size=batch_size, eval_every=eval_every, log_every=log_every),
                   positive=dict(lr=lr))
-    if val_fraction is not None and (isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float))
-                                     or not 0 <= val_fraction < 1):
-        raise ValueError(f"mlp: val_fraction must be a number in [0, 1), got {val_fraction!r}")
-    if data is not None:
-        train, val, classes, source = labelled(data, label, val_fraction, seed, drop)
-    elif label is not None:
-        raise ValueError("mlp: label= names the label column of a .csv file given as data=")
-    elif val_fraction is None:  # the spirals' first third is held out
-        x, y = spirals(samples, seed=seed)
-        held_out = samples // 3
-        train, val = Data(x[held_out:], y[held_out:], "spirals"), Data(x[:held_out], y[:held_out], "spirals")
-        classes, source = 3, "spirals"
-    else:
-        x, y = spirals(samples, seed=seed)
-        train, val = Data(x.numpy(), y.numpy(), "spirals").split(val_fraction, seed)
-        classes, source = 3, "spirals"
+    loading = batch_options("mlp", workers, prefetch)
+    train, val, classes, source = training_data(samples, seed, data, label, val_fraction, drop)
     names = train.classes_  # the classes' names when the labels were text
     x_train, y_train = (train.x, train.y) if isinstance(train.x, torch.Tensor) else tensors(train)
     if val is None:  # nothing held out: the accuracy is on the training data
@@ -247,7 +251,7 @@ def build(samples: int = 3000, hidden: int = 64, layers: int = 2, epochs: int = 
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1 if lr is None else lr, momentum=0.9)
     trainer = Trainer(model, opt)
-    batches = Batches((x_train, y_train), batch_size=batch_size, seed=seed)
+    batches = Batches((x_train, y_train), batch_size=batch_size, seed=seed, **loading)
     reg = Registers(x_test=x_test, y_test=y_test, accuracy=None, history=[], source=source,
                     held_out=0 if val is None else len(y_test))
     train = REPEAT(epochs, REPEAT(len(batches), SEQ([

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from flowvm import CALL, REPEAT, SEQ, Batches, DataError, Registers, load_data
-from flowvm.programs import check_options
+from flowvm.programs import batch_options, check_options
 
 SHOW = ["epoch", "batch_error", "error"]
 
@@ -163,11 +163,13 @@ def append(items: list, item) -> list:
 
 
 def build(samples: int = 2000, side: int = 5, hidden: int = 24, epochs: int = 15, batch_size: int = 20,
-          lr: float = 0.1, seed: int = 0, data=None, drop=None):
+          lr: float = 0.1, seed: int = 0, data=None, drop=None, workers: int = 0, prefetch: int = 2):
     """CD-1 training of an RBM with `hidden` units on bars and stripes of side x side pixels, or on data (values
-    in [0, 1]; then samples and side are not used, and the visible units are the data's columns)."""
+    in [0, 1]; then samples and side are not used, and the visible units are the data's columns).  `workers`
+    worker processes make the minibatches ahead, `prefetch` each (the same batches, in the same order, as 0)."""
     check_options("rbm", counts=dict(samples=samples, side=side, hidden=hidden, epochs=epochs,
                                      batch_size=batch_size), positive=dict(lr=lr))
+    loading = batch_options("rbm", workers, prefetch)
     if data is not None:
         given = load_data(data, name="rbm data", drop=drop)
         check_unit_interval(given)
@@ -175,7 +177,7 @@ def build(samples: int = 2000, side: int = 5, hidden: int = 24, epochs: int = 15
     else:
         x = bars_and_stripes(samples, side, seed=seed)
     machine = RBM(x.shape[1], hidden, lr, seed + 1)
-    data = Batches(x, batch_size=batch_size, seed=seed)
+    data = Batches(x, batch_size=batch_size, seed=seed, **loading)
     reg = Registers(x=x, errors=[])
     return SEQ([
         CALL(machine.reconstruction_error, reg("x"), store_to=reg("error")),
