@@ -47,6 +47,13 @@ WHILE_PHASE, WHILE_LAST, WHILE_ITERATIONS = 1, 2, 3
 SWITCH_CHILD = 1
 WEAVE_ACTIVE, WEAVE_SEGMENTS, WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS, WEAVE_DONE, WEAVE_ROTATE = range(1, 8)
 
+# the names of each kind's slots (after the element, in order), as the layouts above name them: state files
+# save frames by these names, so that the order of the slots is not part of their format
+SLOT_NAMES = {SEQ: ("pos",), REPEAT: ("i", "n", "last"), BUFFER: ("i", "n", "values"),
+              LOOP: ("steps_at_iteration_start", "iterations"), WHILE: ("phase", "last", "iterations"),
+              SWITCH: ("child_index",),
+              WEAVE: ("active", "segments", "finished", "values", "credits", "n_finished", "rotate_due")}
+
 
 def walk(chain: list, key: Callable[[Any], list] | None = None, path: tuple[int, ...] = (),
          paused: bool = False) -> Iterator[tuple[tuple[int, ...], list, int, bool]]:
