@@ -153,8 +153,11 @@ class Trainer:
 
 def digits() -> Data:
     """scikit-learn's digits: 1797 images of 8x8 pixels scaled to [0, 1], labels 0-9."""
-    from sklearn.datasets import load_digits
-
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ImportError("convnet: its default data, the digits, ship with scikit-learn: pip install scikit-learn "
+                          "(or give your own images as data=)") from None
     d = load_digits()
     return Data((d.images / 16.0).reshape(len(d.images), -1), d.target.astype(np.int64), "digits")
 
