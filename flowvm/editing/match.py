@@ -14,6 +14,7 @@ import types
 from typing import Any, Callable
 
 from ..program.elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from ..program.kinds import KindTable
 from ..program.paths import format_path, walk
 from ..program.printer import describe, fn_name
 from ..program.registers import Register, Registers
@@ -76,36 +77,61 @@ def matches(pattern: Element, el: Element) -> bool:
     """Whether el matches pattern (see the module docstring)."""
     if pattern is el:
         return True
-    if pattern.kind != el.kind:
+    if pattern.kind != el.kind or not SETTINGS_MATCH.of(pattern)(pattern, el):
         return False
-    if isinstance(pattern, CALL):
-        return (isinstance(el, CALL) and same_value(pattern.fn, el.fn)
-                and len(pattern.args) <= len(el.args)
-                and all(same_value(p, v) for p, v in zip(pattern.args, el.args))
-                and all(k in el.kwargs and same_value(p, el.kwargs[k]) for k, p in pattern.kwargs.items())
-                and (pattern.store_to is None or same_value(pattern.store_to, el.store_to)))
-    if isinstance(pattern, PRINT):
-        return (len(pattern.objs) <= len(el.objs)
-                and all(same_value(p, v) for p, v in zip(pattern.objs, el.objs)))
-    if isinstance(pattern, (REPEAT, BUFFER)):
-        extra = pattern.counter if isinstance(pattern, REPEAT) else pattern.store_to
-        other = el.counter if isinstance(pattern, REPEAT) else el.store_to
-        if not same_value(pattern.n, el.n) or (extra is not None and not same_value(extra, other)):
-            return False
-    elif isinstance(pattern, SWITCH):
-        if list(pattern.cases) != list(el.cases) or (pattern.default is None) != (el.default is None):
-            return False
-        if not same_value(pattern.selector, el.selector):
-            return False
-    elif isinstance(pattern, WEAVE):
-        if pattern.n_required != el.n_required or (pattern.weights is not None and pattern.weights != el.weights):
-            return False
-    elif not isinstance(pattern, (SEQ, LOOP, WHILE)):  # another kind: all its fields equal
-        fields = {k: v for k, v in pattern.__dict__.items() if not k.startswith("_") and k != "scope"}
-        other = {k: v for k, v in el.__dict__.items() if not k.startswith("_") and k != "scope"}
-        return fields.keys() == other.keys() and all(same_value(fields[k], other[k]) for k in fields)
     pc, ec = pattern.children, el.children
     return len(pc) == len(ec) and all(matches(a, b) for a, b in zip(pc, ec))
+
+
+def _call_matches(pattern: CALL, el: Element) -> bool:
+    return (isinstance(el, CALL) and same_value(pattern.fn, el.fn)
+            and len(pattern.args) <= len(el.args)
+            and all(same_value(p, v) for p, v in zip(pattern.args, el.args))
+            and all(k in el.kwargs and same_value(p, el.kwargs[k]) for k, p in pattern.kwargs.items())
+            and (pattern.store_to is None or same_value(pattern.store_to, el.store_to)))
+
+
+def _print_matches(pattern: PRINT, el: PRINT) -> bool:
+    return len(pattern.objs) <= len(el.objs) and all(same_value(p, v) for p, v in zip(pattern.objs, el.objs))
+
+
+def _counted_matches(pattern: REPEAT | BUFFER, el: REPEAT | BUFFER, extra: str) -> bool:
+    given = getattr(pattern, extra)
+    return same_value(pattern.n, el.n) and (given is None or same_value(given, getattr(el, extra)))
+
+
+def _switch_matches(pattern: SWITCH, el: SWITCH) -> bool:
+    return (list(pattern.cases) == list(el.cases) and (pattern.default is None) == (el.default is None)
+            and same_value(pattern.selector, el.selector))
+
+
+def _weave_matches(pattern: WEAVE, el: WEAVE) -> bool:
+    return pattern.n_required == el.n_required and (pattern.weights is None or pattern.weights == el.weights)
+
+
+def _fields_match(pattern: Element, el: Element) -> bool:
+    """Another kind: every field equal (fields holding its children are left to the children's match)."""
+    fields, other = _settings(pattern), _settings(el)
+    return fields.keys() == other.keys() and all(same_value(fields[k], other[k]) for k in fields)
+
+
+def _settings(el: Element) -> dict:
+    kids = {id(c) for c in el.children}
+
+    def child_field(v: Any) -> bool:  # a child, or a list of children
+        return id(v) in kids or (isinstance(v, (list, tuple)) and bool(v) and all(id(x) in kids for x in v))
+
+    return {k: v for k, v in el.__dict__.items() if not k.startswith("_") and k != "scope" and not child_field(v)}
+
+
+SETTINGS_MATCH = KindTable("match", _fields_match, {
+    CALL: _call_matches, PRINT: _print_matches,
+    REPEAT: lambda p, el: _counted_matches(p, el, "counter"), BUFFER: lambda p, el: _counted_matches(p, el, "store_to"),
+    SWITCH: _switch_matches, WEAVE: _weave_matches,
+    SEQ: lambda p, el: True, LOOP: lambda p, el: True, WHILE: lambda p, el: True,
+})
+"""Whether an element's own settings match a pattern of its kind, by the pattern's kind: ``fn(pattern, el)``
+(the children are matched after it, one by one).  Default: every field equal."""
 
 
 def pattern_test(pattern: Any) -> Callable[[Element], bool] | None:

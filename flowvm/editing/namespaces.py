@@ -54,6 +54,7 @@ from typing import Any, Callable, Iterable
 
 from ..pickled import stable
 from ..program.elements import BUFFER, CALL, PRINT, REPEAT, SWITCH, Element, provide
+from ..program.kinds import KindTable
 from ..program.registers import Register, Registers, same_kind_of_dict
 from ..program.verify import check_collisions, collisions, instances  # noqa: F401  (they check what isolate makes)
 
@@ -134,37 +135,51 @@ def rename_registers(program: Element, rename: Callable[[Register], Register],
     return scoped(frozenset(), rename, rename_name)(program)
 
 
+def _rename_call(el: CALL, rename, sub) -> Element:
+    args = _rename_value(el.args, rename)  # data: an element there is a value
+    kwargs = _rename_value(el.kwargs, rename)
+    store = rename(el.store_to) if el.store_to is not None else None
+    return CALL(el.fn, *args, store_to=store, **kwargs)
+
+
+def _rename_switch(el: SWITCH, rename, sub) -> Element:
+    selector = el.selector
+    selector = rename(selector) if isinstance(selector, Register) else sub(selector)
+    cases = {k: sub(c) for k, c in el.cases.items()}
+    return SWITCH(selector, cases, sub(el.default) if el.default is not None else None)
+
+
+def _rename_other(el: Element, rename, sub) -> Element:
+    if getattr(el, "__flowvm_source__", None) is not None:  # rebuilt from its constructor form
+        ctor, args, kwargs = el.__flowvm_source__()
+        return ctor(*_rename_value(tuple(args), rename, sub), **_rename_value(dict(kwargs), rename, sub))
+    if not (el.own_reads() or el.own_writes()):
+        return el.with_children([sub(c) for c in el.children]) if el.children else el
+    raise TypeError(f"isolate: cannot rename the registers of a {el.kind} element; give its class a "
+                    "__flowvm_source__() method (see flowvm.views.source), or register its RENAME entry")
+
+
+def _maybe(r: Register | None, rename) -> Register | None:
+    return rename(r) if r is not None else None
+
+
+RENAME = KindTable("rename", _rename_other, {
+    CALL: _rename_call,
+    PRINT: lambda el, rename, sub: PRINT(*_rename_value(el.objs, rename), sep=el.sep),
+    REPEAT: lambda el, rename, sub: REPEAT(_rename_value(el.n, rename), sub(el.body), _maybe(el.counter, rename)),
+    BUFFER: lambda el, rename, sub: BUFFER(_rename_value(el.n, rename), sub(el.body), _maybe(el.store_to, rename)),
+    SWITCH: _rename_switch,
+})
+"""The element with its registers renamed, by kind: ``fn(el, rename, sub)``, where ``rename(register)`` gives
+the new register and ``sub(child)`` the renamed child.  Default: a kind with ``__flowvm_source__`` is
+rebuilt from it; one that reads and writes no register itself, over its renamed children."""
+
+
 def _rename_element(el: Element, rename: Callable[[Register], Register], rename_name: Callable[[str], str] | None,
                     sub: Callable[[Element], Element]) -> Element:
-    if isinstance(el, CALL):
-        args = _rename_value(el.args, rename)  # data: an element there is a value
-        kwargs = _rename_value(el.kwargs, rename)
-        store = rename(el.store_to) if el.store_to is not None else None
-        new = CALL(el.fn, *args, store_to=store, **kwargs)
-    elif isinstance(el, PRINT):
-        new = PRINT(*_rename_value(el.objs, rename), sep=el.sep)
-    elif isinstance(el, REPEAT):
-        new = REPEAT(_rename_value(el.n, rename), sub(el.body),
-                     rename(el.counter) if el.counter is not None else None)
-    elif isinstance(el, BUFFER):
-        new = BUFFER(_rename_value(el.n, rename), sub(el.body),
-                     rename(el.store_to) if el.store_to is not None else None)
-    elif isinstance(el, SWITCH):
-        selector = el.selector
-        selector = rename(selector) if isinstance(selector, Register) else sub(selector)
-        cases = {k: sub(c) for k, c in el.cases.items()}
-        default = sub(el.default) if el.default is not None else None
-        new = SWITCH(selector, cases, default)
-    elif getattr(el, "__flowvm_source__", None) is not None:  # another kind: rebuilt from its constructor form
-        ctor, args, kwargs = el.__flowvm_source__()
-        new = ctor(*_rename_value(tuple(args), rename, sub), **_rename_value(dict(kwargs), rename, sub))
-    elif not (el.own_reads() or el.own_writes()):
-        new = el.with_children([sub(c) for c in el.children]) if el.children else el
-        if new is el:
-            return el
-    else:
-        raise TypeError(f"isolate: cannot rename the registers of a {el.kind} element; "
-                        "give its class a __flowvm_source__() method (see flowvm.views.source)")
+    new = RENAME.of(el)(el, rename, sub)
+    if new is el:
+        return el
     for name in ("_overrides", "_settings"):
         table = el.__dict__.get(name)
         if table and new is not el:  # a sub-program's dependency_overrides and settings stay with it

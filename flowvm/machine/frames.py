@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 
 from ..program.elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
 from ..base.errors import FlowError, RegisterError, SwitchError
+from ..program.kinds import KindTable
 from ..program.registers import Register
 from ..base.sentinels import NOVALUE, PUSHED
 
@@ -75,20 +76,26 @@ def walk(chain: list, key: Callable[[Any], list] | None = None, path: tuple[int,
 
 def comment(fr: list) -> str:
     """The counters of a started frame, in words ("3 of 10 done"), for listings; "" for others."""
-    el = fr[0]
-    if len(fr) == 1:
-        return ""
-    if isinstance(el, (REPEAT, BUFFER)):
-        return f"{fr[REPEAT_I]} of {fr[REPEAT_N]} done"
-    if isinstance(el, LOOP):
-        return f"{fr[LOOP_ITERATIONS]} iterations done"
-    if isinstance(el, WHILE):
-        return f"{fr[WHILE_ITERATIONS]} iterations done" + (", testing condition" if fr[WHILE_PHASE] == 0 else "")
-    if isinstance(el, SEQ):
-        return f"at child {fr[SEQ_POS]} of {len(el.elements)}"  # counted from 0, as paths are
-    if isinstance(el, WEAVE):
-        return f"{fr[WEAVE_DONE]} of {el.required} required finished, turn of child {fr[WEAVE_ACTIVE]}"
-    return ""
+    return COMMENT.of(fr[0])(fr) if len(fr) > 1 else ""
+
+
+def _while_comment(fr: list) -> str:
+    return f"{fr[WHILE_ITERATIONS]} iterations done" + (", testing condition" if fr[WHILE_PHASE] == 0 else "")
+
+
+def _weave_comment(fr: list) -> str:
+    return f"{fr[WEAVE_DONE]} of {fr[0].required} required finished, turn of child {fr[WEAVE_ACTIVE]}"
+
+
+COMMENT = KindTable("frame comment", lambda fr: "", {
+    REPEAT: lambda fr: f"{fr[REPEAT_I]} of {fr[REPEAT_N]} done",
+    BUFFER: lambda fr: f"{fr[BUFFER_I]} of {fr[BUFFER_N]} done",
+    LOOP: lambda fr: f"{fr[LOOP_ITERATIONS]} iterations done",
+    WHILE: _while_comment,
+    SEQ: lambda fr: f"at child {fr[SEQ_POS]} of {len(fr[0].elements)}",  # counted from 0, as paths are
+    WEAVE: _weave_comment,
+})
+"""A started frame's counters in words, by its element's kind: ``fn(frame)`` (default: none)."""
 
 
 def marks(stack: list) -> dict:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from .kinds import KindTable
 from .registers import Register, Registers
 
 
@@ -56,35 +57,50 @@ def can_step(el: Element) -> bool:
 
 
 def _can_step(el: Element) -> bool:
-    if el.is_leaf:
-        return True
-    if isinstance(el, (REPEAT, BUFFER)):
-        return (isinstance(el.n, Register) or el.n > 0) and can_step(el.body)
-    if isinstance(el, WHILE):
-        return True  # the condition itself is a step
-    if isinstance(el, SWITCH):
-        return isinstance(el.selector, CALL) or any(can_step(c) for c in el.children)
-    if isinstance(el, WEAVE):
-        return el.required > 0 and any(can_step(c) for c in el.children)
-    return any(can_step(c) for c in el.children)
+    return True if el.is_leaf else CAN_STEP.of(el)(el)
+
+
+def _counted(el) -> bool:
+    return isinstance(el.n, Register) or el.n > 0
+
+
+def _selector_runs(el: SWITCH) -> bool:
+    return not isinstance(el.selector, Register)  # a CALL selector is a step
+
+
+CAN_STEP = KindTable("can step", lambda el: any(can_step(c) for c in el.children), {
+    REPEAT: lambda el: _counted(el) and can_step(el.body),
+    BUFFER: lambda el: _counted(el) and can_step(el.body),
+    WHILE: lambda el: True,  # the condition itself is a step
+    SWITCH: lambda el: _selector_runs(el) or any(can_step(c) for c in el.children),
+    WEAVE: lambda el: el.required > 0 and any(can_step(c) for c in el.children),
+})
+"""Whether running a container can ever take a step, by kind (default: when some child can)."""
 
 
 def may_finish(el: Element) -> bool:
     """Whether el can ever finish on its own (a LOOP never does)."""
-    if isinstance(el, LOOP):
-        return False
-    if isinstance(el, (SEQ,)):
-        return all(may_finish(c) for c in el.children)
-    if isinstance(el, (REPEAT, BUFFER)):
-        return isinstance(el.n, Register) or el.n == 0 or may_finish(el.body)
-    if isinstance(el, WHILE):
-        return may_finish(el.cond)
-    if isinstance(el, SWITCH):
-        head = [el.selector] if isinstance(el.selector, CALL) else []
-        return all(may_finish(c) for c in head) and any(may_finish(c) for c in el.children[len(head):])
-    if isinstance(el, WEAVE):
-        return sum(may_finish(c) for c in el.children) >= el.required
-    return True
+    return MAY_FINISH.of(el)(el)
+
+
+def _switch_may_finish(el: SWITCH) -> bool:
+    head = 1 if _selector_runs(el) else 0
+    return all(may_finish(c) for c in el.children[:head]) and any(may_finish(c) for c in el.children[head:])
+
+
+def _counted_may_finish(el) -> bool:
+    return isinstance(el.n, Register) or el.n == 0 or may_finish(el.body)
+
+
+MAY_FINISH = KindTable("may finish", lambda el: True, {
+    LOOP: lambda el: False,
+    SEQ: lambda el: all(may_finish(c) for c in el.children),
+    REPEAT: _counted_may_finish, BUFFER: _counted_may_finish,
+    WHILE: lambda el: may_finish(el.cond),
+    SWITCH: _switch_may_finish,
+    WEAVE: lambda el: sum(may_finish(c) for c in el.children) >= el.required,
+})
+"""Whether an element can ever finish on its own, by kind (default: True)."""
 
 
 # ------------------------------------------------------------- public queries
@@ -171,21 +187,39 @@ def has_weave(program) -> bool:
     return False
 
 
+def _unknown_steps(el: Element) -> int:
+    raise LookupError
+
+
+def _counted_steps(el) -> int:
+    if not isinstance(el.n, int):
+        raise LookupError
+    return el.n * steps_of(el.body) if el.n else 0
+
+
+def _weave_steps(el: WEAVE) -> int:
+    if el.required != len(el.elements):
+        raise LookupError
+    return sum(steps_of(c) for c in el.children)
+
+
+STATIC_STEPS = KindTable("static steps", _unknown_steps, {
+    CALL: lambda el: 1, PRINT: lambda el: 1,
+    SEQ: lambda el: sum(steps_of(c) for c in el.children),
+    REPEAT: _counted_steps, BUFFER: _counted_steps, WEAVE: _weave_steps,
+})
+"""The steps an element takes when its shape alone fixes them, by kind; LookupError when it does not
+(default)."""
+
+
+def steps_of(el: Element) -> int:
+    """The steps el takes, fixed by its shape (LookupError when they are not)."""
+    return STATIC_STEPS.of(el)(el)
+
+
 def static_steps(program) -> int | None:
     """The number of steps the program takes, when its shape alone fixes it (else None)."""
-    from .elements import BUFFER, CALL, PRINT, REPEAT, SEQ, WEAVE
-
-    def count(el):
-        kind = type(el)
-        if kind is CALL or kind is PRINT:
-            return 1
-        if kind is SEQ or (kind is WEAVE and el.required == len(el.elements)):
-            return sum(count(c) for c in el.children)
-        if (kind is REPEAT or kind is BUFFER) and isinstance(el.n, int):
-            return el.n * count(el.body) if el.n else 0
-        raise LookupError
-
     try:
-        return count(program)
+        return steps_of(program)
     except LookupError:
         return None

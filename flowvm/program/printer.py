@@ -13,6 +13,7 @@ import types
 from typing import Any
 
 from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, provide
+from .kinds import KindTable
 from .registers import Register
 
 INDENT = "    "
@@ -85,51 +86,83 @@ def call_text(el: CALL) -> str:
     return f"{el.store_to.name} = {text}" if el.store_to is not None else text
 
 
-def _count(n: Any) -> str:
-    return fmt(n)
+def _header_other(el: Element) -> str:
+    text = getattr(el, "header_text", None)  # a kind written elsewhere may print itself
+    return text() if text is not None else (f"{el.kind}:" if el.children and not el.is_leaf else el.kind)
+
+
+def _weave_header(el: WEAVE) -> str:
+    n = len(el.elements)
+    req = f"all of {n}" if el.n_required == -1 else f"{el.n_required} of {n}"
+    weights = f" (weights {', '.join(fmt(w) for w in el.weights)})" if el.weights is not None else ""
+    return f"WEAVE {req}{weights}:"
+
+
+def _selector_text(el: SWITCH) -> str:
+    return el.selector.name if isinstance(el.selector, Register) else call_text(el.selector)
+
+
+HEADER = KindTable("header", _header_other, {
+    CALL: call_text,
+    PRINT: lambda el: "PRINT " + ", ".join(fmt(o) for o in el.objs),
+    SEQ: lambda el: "SEQ:" if el.elements else "SEQ: pass",
+    REPEAT: lambda el: f"REPEAT {fmt(el.n)}" + (f" (counter {el.counter.name})" if el.counter is not None else "") + ":",
+    BUFFER: lambda el: (f"{el.store_to.name} = " if el.store_to is not None else "") + f"BUFFER {fmt(el.n)}:",
+    LOOP: lambda el: "LOOP:",
+    WHILE: lambda el: f"WHILE {call_text(el.cond)}:",
+    SWITCH: lambda el: f"SWITCH {_selector_text(el)}:",
+    WEAVE: _weave_header,
+})
+"""The one line that stands for an element in a listing, by kind (default: ``header_text()`` when the
+element has one, else its kind, with a colon when it has children)."""
+
+DESCRIBE = KindTable("describe", lambda el: header(el).rstrip(":"), {CALL: lambda el: f"CALL {call_text(el)}"})
+"""The one-line description of an element in error messages, by kind (default: its header)."""
 
 
 def header(el: Element) -> str:
     """The one line that stands for el in a listing (without its children)."""
-    if isinstance(el, CALL):
-        return call_text(el)
-    if isinstance(el, PRINT):
-        return "PRINT " + ", ".join(fmt(o) for o in el.objs)
-    if isinstance(el, SEQ):
-        return "SEQ:" if el.elements else "SEQ: pass"
-    if isinstance(el, REPEAT):
-        counter = f" (counter {el.counter.name})" if el.counter is not None else ""
-        return f"REPEAT {_count(el.n)}{counter}:"
-    if isinstance(el, BUFFER):
-        target = f"{el.store_to.name} = " if el.store_to is not None else ""
-        return f"{target}BUFFER {_count(el.n)}:"
-    if isinstance(el, LOOP):
-        return "LOOP:"
-    if isinstance(el, WHILE):
-        return f"WHILE {call_text(el.cond)}:"
-    if isinstance(el, SWITCH):
-        sel = call_text(el.selector) if isinstance(el.selector, CALL) else el.selector.name
-        return f"SWITCH {sel}:"
-    if isinstance(el, WEAVE):
-        n = len(el.elements)
-        req = f"all of {n}" if el.n_required == -1 else f"{el.n_required} of {n}"
-        weights = f" (weights {', '.join(fmt(w) for w in el.weights)})" if el.weights is not None else ""
-        return f"WEAVE {req}{weights}:"
-    text = getattr(el, "header_text", None)  # other kinds print themselves
-    return text() if text is not None else el.kind
+    return HEADER.of(el)(el)
 
 
 def describe(el: Element) -> str:
     """A one-line description used in error messages: kind and header."""
-    if isinstance(el, CALL):
-        return f"CALL {call_text(el)}"
-    return header(el).rstrip(":")
+    return DESCRIBE.of(el)(el)
 
 
 def short(el: Element) -> str:
     if el.is_leaf:
         return f"<{describe(el)}>"
     return f"<{describe(el)} ({len(el.children)} children)>"
+
+
+def _child_lines(el: Element, path: tuple, depth: int, visit) -> None:
+    for i, child in enumerate(el.children):
+        visit(child, path + (i,), depth + 1)
+
+
+def _while_lines(el: WHILE, path: tuple, depth: int, visit) -> None:
+    visit(el.body, path + (1,), depth + 1)  # the condition prints on the WHILE's line
+
+
+def _switch_lines(el: SWITCH, path: tuple, depth: int, visit, out: list) -> None:
+    children = el.children
+    head = len(children) - len(el.cases) - (el.default is not None)
+    for k, key in enumerate(el.cases):
+        out.append((None, depth + 1, f"CASE {fmt(key)}:"))
+        visit(children[head + k], path + (head + k,), depth + 2)
+    if el.default is not None:
+        out.append((None, depth + 1, "DEFAULT:"))
+        visit(children[-1], path + (len(children) - 1,), depth + 2)
+
+
+BODY = KindTable("listing body", lambda el, path, depth, visit, out: _child_lines(el, path, depth, visit), {
+    WHILE: lambda el, path, depth, visit, out: _while_lines(el, path, depth, visit),
+    SWITCH: _switch_lines,
+})
+"""The lines below an element's header, by kind: ``fn(el, path, depth, visit, out)`` calls
+``visit(child, child_path, child_depth)`` for the children it shows and may append labels
+``(None, depth, text)`` to out (default: every child, one level deeper)."""
 
 
 def lines(program: Element) -> list[tuple[tuple[int, ...] | None, int, str]]:
@@ -140,20 +173,7 @@ def lines(program: Element) -> list[tuple[tuple[int, ...] | None, int, str]]:
         out.append((path, depth, header(el)))
         for text in getattr(el, "detail_lines", lambda: ())():  # e.g. the calls a fused step replaced
             out.append((None, depth + 1, text))
-        children = el.children
-        if isinstance(el, WHILE):
-            visit(children[1], path + (1,), depth + 1)
-        elif isinstance(el, SWITCH):
-            head = 1 if isinstance(el.selector, CALL) else 0
-            for k, key in enumerate(el.cases):
-                out.append((None, depth + 1, f"CASE {fmt(key)}:"))
-                visit(children[head + k], path + (head + k,), depth + 2)
-            if el.default is not None:
-                out.append((None, depth + 1, "DEFAULT:"))
-                visit(children[-1], path + (len(children) - 1,), depth + 2)
-        else:
-            for i, child in enumerate(children):
-                visit(child, path + (i,), depth + 1)
+        BODY.of(el)(el, path, depth, visit, out)
 
     visit(program, (), 0)
     return out

@@ -15,7 +15,8 @@ an error only when no path at all can have written the register by then.
 from __future__ import annotations
 
 from .analysis import can_step, register_files, writes
-from .elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from .elements import BUFFER, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from .kinds import KindTable
 from ..base.errors import VerifyError
 from .paths import format_path, parse_path, walk
 from .printer import listing
@@ -92,74 +93,107 @@ def _may_write(el: Element) -> frozenset:
         own = frozenset([store_to.name]) if store_to is not None else frozenset()
         return own.union(*(_may_write(c) for c in el.children))
     own = frozenset(r.name for r in el.own_writes())
-    if isinstance(el, (REPEAT, BUFFER)) and isinstance(el.n, int) and el.n == 0:
-        return own
-    if isinstance(el, WEAVE) and el.n_required == 0:
+    if SKIPS_CHILDREN.of(el)(el):
         return own
     return own.union(*(_may_write(c) for c in el.children))
 
 
+SKIPS_CHILDREN = KindTable("skips children", lambda el: False, {
+    REPEAT: lambda el: isinstance(el.n, int) and el.n == 0,
+    BUFFER: lambda el: isinstance(el.n, int) and el.n == 0,
+    WEAVE: lambda el: el.n_required == 0,
+})
+"""Whether a container's children never run, seen from its fields alone (a REPEAT of the literal 0), by
+kind (default: False)."""
+
+
 def _check(el: Element, path: tuple, before: frozenset, program: Element) -> frozenset:
     """Check el given the registers that may be written before it; return those after it."""
+    return CHECK.of(el)(el, path, before, program)
+
+
+def _check_leaf(el: Element, path: tuple, before: frozenset, program: Element) -> frozenset:
+    for i, child in enumerate(el.children):  # a leaf running a fragment (SPAWN): name the reader in it
+        _check(child, path + (i,), before, program)
+    _check_reads(el, path, before, program)
+    return before | (_may_write(el) if el.children else {r.name for r in el.own_writes()})
+
+
+def _check_in_order(el: Element, path: tuple, before: frozenset, program: Element) -> frozenset:
+    """The children run in order, each against what the children before it may write (a child that runs
+    again only adds writes): SEQ, and the default for a container kind written elsewhere
+    (docs/containers.md)."""
     if el.is_leaf:
-        for i, child in enumerate(el.children):  # a leaf running a fragment (SPAWN): name the reader in it
-            _check(child, path + (i,), before, program)
-        _check_reads(el, path, before, program)
-        return before | (_may_write(el) if el.children else {r.name for r in el.own_writes()})
-    if isinstance(el, SEQ):
-        for i, child in enumerate(el.elements):
-            before = _check(child, path + (i,), before, program)
-        return before
-    # A loop body's first iteration runs before any later one, so it is checked
-    # against what is written before the loop; later iterations only add writes.
-    if isinstance(el, (REPEAT, BUFFER)):
-        _check_reads(el, path, before, program)
-        own = {r.name for r in el.own_writes()}
-        _check(el.body, path + (0,), before | (own if isinstance(el, REPEAT) else set()), program)
-        if isinstance(el.n, int) and el.n == 0:  # the body never runs (a BUFFER still stores [])
-            return before | own
-        return before | own | _may_write(el.body)
-    if isinstance(el, LOOP):
-        if not can_step(el.body):
-            _fail("LOOP body can never take a step; the loop would spin forever", path, program)
-        _check(el.body, path + (0,), before, program)
-        return before | _may_write(el.body)
-    if isinstance(el, WHILE):
-        if not can_step(el.body):
-            _fail("WHILE body can never take a step", path, program)
-        after_cond = _check(el.cond, path + (0,), before, program)
-        _check(el.body, path + (1,), after_cond, program)
-        return after_cond | _may_write(el.body)
-    if isinstance(el, SWITCH):
-        _check_reads(el, path, before, program)
-        children = el.children
-        head = 0
-        if isinstance(el.selector, CALL):
-            before = _check(el.selector, path + (0,), before, program)
-            head = 1
-        after = set(before)
-        for i in range(head, len(children)):
-            after |= _check(children[i], path + (i,), before, program)
-        return frozenset(after)
-    if isinstance(el, WEAVE):
-        if el.n_required == 0:  # done before any child takes a step
-            for i, child in enumerate(el.elements):
-                _check(child, path + (i,), before | writes(el), program)  # checked, but writes nothing
-            return before
-        all_writes = [_may_write(c) for c in el.elements]
-        after = set(before)
-        for i, child in enumerate(el.elements):
-            others = frozenset().union(*(w for j, w in enumerate(all_writes) if j != i))
-            after |= _check(child, path + (i,), before | others, program)
-        return frozenset(after)
-    if not isinstance(el, Element):
-        raise TypeError(f"unknown element kind {type(el).__name__} at path '{format_path(path)}'")
-    # a container kind written outside flowvm (docs/containers.md): its children are checked in order, each
-    # against what the children before it may write (a child that runs again only adds writes)
+        return _check_leaf(el, path, before, program)
     _check_reads(el, path, before, program)
     for i, child in enumerate(el.children):
         before = _check(child, path + (i,), before, program)
     return before | {r.name for r in el.own_writes()}
+
+
+# A loop body's first iteration runs before any later one, so it is checked
+# against what is written before the loop; later iterations only add writes.
+def _check_counted(el: REPEAT | BUFFER, path: tuple, before: frozenset, program: Element) -> frozenset:
+    _check_reads(el, path, before, program)
+    own = {r.name for r in el.own_writes()}
+    _check(el.body, path + (0,), before | (own if isinstance(el, REPEAT) else set()), program)
+    if SKIPS_CHILDREN.of(el)(el):  # the body never runs (a BUFFER still stores [])
+        return before | own
+    return before | own | _may_write(el.body)
+
+
+def _check_loop(el: LOOP, path: tuple, before: frozenset, program: Element) -> frozenset:
+    if not can_step(el.body):
+        _fail("LOOP body can never take a step; the loop would spin forever", path, program)
+    _check(el.body, path + (0,), before, program)
+    return before | _may_write(el.body)
+
+
+def _check_while(el: WHILE, path: tuple, before: frozenset, program: Element) -> frozenset:
+    if not can_step(el.body):
+        _fail("WHILE body can never take a step", path, program)
+    after_cond = _check(el.cond, path + (0,), before, program)
+    _check(el.body, path + (1,), after_cond, program)
+    return after_cond | _may_write(el.body)
+
+
+def _check_switch(el: SWITCH, path: tuple, before: frozenset, program: Element) -> frozenset:
+    _check_reads(el, path, before, program)
+    children = el.children
+    head = len(children) - len(el.cases) - (el.default is not None)  # 1: a CALL selector runs first
+    if head:
+        before = _check(children[0], path + (0,), before, program)
+    after = set(before)
+    for i in range(head, len(children)):
+        after |= _check(children[i], path + (i,), before, program)
+    return frozenset(after)
+
+
+def _check_weave(el: WEAVE, path: tuple, before: frozenset, program: Element) -> frozenset:
+    if el.n_required == 0:  # done before any child takes a step
+        for i, child in enumerate(el.elements):
+            _check(child, path + (i,), before | writes(el), program)  # checked, but writes nothing
+        return before
+    all_writes = [_may_write(c) for c in el.elements]
+    after = set(before)
+    for i, child in enumerate(el.elements):
+        others = frozenset().union(*(w for j, w in enumerate(all_writes) if j != i))
+        after |= _check(child, path + (i,), before | others, program)
+    return frozenset(after)
+
+
+def _check_unknown(cls: type):
+    raise TypeError(f"unknown element kind {cls.__name__}: not a flowvm element")
+
+
+CHECK = KindTable("verify", None, {
+    Element: _check_in_order, SEQ: _check_in_order, REPEAT: _check_counted, BUFFER: _check_counted,
+    LOOP: _check_loop, WHILE: _check_while, SWITCH: _check_switch, WEAVE: _check_weave,
+})
+"""verify's check of one element, by kind: ``fn(el, path, before, program)`` checks el given the names of
+the registers that may be written before it and returns those after it, calling ``_check`` on children
+(default, for any Element: the children run in order)."""
+CHECK.missing = _check_unknown
 
 
 # ------------------------------------------------ instances (flowvm.editing.namespaces) that write one register

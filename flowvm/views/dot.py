@@ -31,7 +31,8 @@ import json
 import re
 from typing import Any
 
-from ..program.elements import CALL, SEQ, SWITCH, WEAVE, WHILE, Element
+from ..program.elements import SEQ, SWITCH, WEAVE, WHILE, Element
+from ..program.kinds import KindTable
 from ..program.paths import Path
 
 STYLES = {
@@ -83,20 +84,26 @@ def frame_states(drv) -> dict[Path, tuple[str, str]]:
     return states
 
 
+def _switch_edge(parent: SWITCH, i: int) -> str:
+    head = len(parent.children) - len(parent.cases) - (parent.default is not None)
+    if i < head:
+        return "selector"
+    keys = list(parent.cases)
+    return f"case {keys[i - head]!r}" if i - head < len(keys) else "default"
+
+
+EDGE_LABEL = KindTable("edge label", lambda parent, i: "", {
+    WHILE: lambda parent, i: "cond" if i == 0 else "body",
+    SWITCH: _switch_edge,
+    WEAVE: lambda parent, i: str(i) if parent.weights is None else f"{i} (weight {parent.weights[i]:g})",
+    SEQ: lambda parent, i: str(i),
+})
+"""The label of the edge from a parent to its child i, by the parent's kind: ``fn(parent, i)`` (default:
+none)."""
+
+
 def _edge_label(parent: Element, i: int) -> str:
-    if isinstance(parent, WHILE):
-        return "cond" if i == 0 else "body"
-    if isinstance(parent, SWITCH):
-        head = 1 if isinstance(parent.selector, CALL) else 0
-        if i < head:
-            return "selector"
-        keys = list(parent.cases)
-        return f"case {keys[i - head]!r}" if i - head < len(keys) else "default"
-    if isinstance(parent, WEAVE):
-        return str(i) if parent.weights is None else f"{i} (weight {parent.weights[i]:g})"
-    if isinstance(parent, SEQ):
-        return str(i)
-    return ""
+    return EDGE_LABEL.of(parent)(parent, i)
 
 
 def _node_id(path: Path) -> str:

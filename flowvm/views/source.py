@@ -41,50 +41,15 @@ import types
 from typing import Any, Iterable
 
 from ..program.elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
+from ..program.kinds import KindTable
 from ..base.errors import SourceError
 from ..program.paths import format_path, walk
-from ..program.registers import Register, Registers
+from ..program.registers import Registers
+from .literals import describe_value, import_of, write_value
 
 WIDTH = 100
 _FLOWVM_NAMES = {SEQ: "SEQ", REPEAT: "REPEAT", LOOP: "LOOP", WHILE: "WHILE", SWITCH: "SWITCH", WEAVE: "WEAVE",
                  BUFFER: "BUFFER", CALL: "CALL", PRINT: "PRINT"}
-
-
-def _import_of(obj: Any) -> tuple[str, str] | None:
-    """(module, dotted attribute path) from which obj can be imported, or None."""
-    if isinstance(obj, types.ModuleType):
-        return (obj.__name__, "")
-    owner = getattr(obj, "__self__", None)
-    bound = owner is not None and not isinstance(owner, types.ModuleType)
-    modules = [getattr(obj, "__module__", None)]
-    if bound:
-        modules.append(type(owner).__module__)
-    attrs = [getattr(obj, "__qualname__", None), getattr(obj, "__name__", None)]
-    objclass = getattr(obj, "__objclass__", None)  # a method descriptor: str.upper, torch.Tensor.add
-    if isinstance(objclass, type) and isinstance(getattr(obj, "__name__", None), str):
-        if objclass.__module__ == "torch._C" and objclass.__name__ == "TensorBase":
-            modules.insert(0, "torch")  # written as torch.Tensor.NAME, the name users know
-            attrs.insert(0, f"Tensor.{obj.__name__}")
-        modules.append(objclass.__module__)
-    for mod_name in modules:
-        if not isinstance(mod_name, str):
-            continue
-        try:
-            module = importlib.import_module(mod_name)
-        except Exception:
-            continue
-        for attr in attrs:
-            if not isinstance(attr, str) or "<" in attr:
-                continue
-            found: Any = module
-            try:
-                for part in attr.split("."):
-                    found = getattr(found, part)
-            except AttributeError:
-                continue
-            if found is obj or (bound and found == obj):
-                return (mod_name, attr)
-    return None
 
 
 class _Writer:
@@ -119,12 +84,12 @@ class _Writer:
         """An expression naming an importable object."""
         if id(obj) in self.by_id:
             return self.by_id[id(obj)]
-        found = _import_of(obj)
+        found = import_of(obj)
         if found is None:
             owner = getattr(obj, "__self__", None)
             if owner is not None and id(owner) in self.by_id and isinstance(getattr(obj, "__name__", None), str):
                 return f"{self.by_id[id(owner)]}.{obj.__name__}"
-            raise self.error(f"{_what(obj)} cannot be imported; pass names={{'name': obj}} to to_source "
+            raise self.error(f"{describe_value(obj)} cannot be imported; pass names={{'name': obj}} to to_source "
                              "(and the same names to from_source)")
         module, attr = found
         first = attr.partition(".")[0]
@@ -148,61 +113,11 @@ class _Writer:
 
     # -- values
     def value(self, v: Any) -> str:
+        """Source for a value: a constant as a literal, a register as ``reg('name')``, an element as an
+        element, an importable object by name (flowvm.views.literals)."""
         if id(v) in self.by_id:
             return self.by_id[id(v)]
-        if v is None or isinstance(v, (bool, str, bytes)):
-            return repr(v)
-        if type(v) is int:
-            return repr(v)
-        if type(v) is float:
-            return repr(v) if math.isfinite(v) else f"float({repr(v)!r})"
-        if type(v) is complex:
-            return f"complex({self.value(v.real)}, {self.value(v.imag)})"
-        if isinstance(v, Element):  # written as an element: its own path if it is a child, else its holder's
-            return self.element(v, self.child_paths.get(id(v), self.path))
-        if isinstance(v, Register):
-            if self.file is None:
-                self.file = v.file
-            elif v.file is not self.file:  # pragma: no cover - start() rejects such programs
-                raise self.error("registers of two register files")
-            return f"{self.reg_name}({v.name!r})"
-        from ..machine.depends import Depends
-
-        if isinstance(v, Depends):
-            self.flowvm.add("Depends")
-            extra = ", use_cache=False" if not v.use_cache else ""
-            return f"Depends({self.ref(v.dependency)}{extra})"
-        if type(v) is list:
-            return self.seq("[", [self.value(x) for x in v], "]")
-        if type(v) is tuple:
-            items = [self.value(x) for x in v]
-            return self.seq("(", items, ",)" if len(items) == 1 else ")")
-        if isinstance(v, tuple) and hasattr(v, "_fields"):
-            return self.call(self.ref(type(v)), [self.value(x) for x in v])
-        if type(v) is dict:
-            return self.seq("{", [f"{self.value(k)}: {self.value(x)}" for k, x in v.items()], "}")
-        if type(v) in (set, frozenset):
-            items = sorted((self.value(x) for x in v))
-            return f"{type(v).__name__}({self.seq('[', items, ']')})"
-        if isinstance(v, functools.partial):
-            args = [self.ref(v.func)] + [self.value(a) for a in v.args]
-            args += [f"{k}={self.value(x)}" for k, x in v.keywords.items()]
-            return self.call("functools.partial", args)
-        np = sys.modules.get("numpy")
-        if np is not None and isinstance(v, np.ndarray) and v.dtype.kind in "biufc":
-            text = self.call("numpy.array", [self.value(v.tolist()), f"dtype={str(v.dtype)!r}"])
-            return text + (f".reshape({v.shape!r})" if v.size == 0 else "")
-        if np is not None and isinstance(v, np.generic) and v.dtype.kind in "biufc":
-            return f"numpy.{type(v).__name__}({self.value(v.item())})"
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_complex():
-            text = self.call("torch.tensor", [self.value(v.detach().tolist()), f"dtype={v.dtype}"])
-            text += f".reshape({tuple(v.shape)!r})" if v.numel() == 0 else ""
-            return text + (".requires_grad_()" if v.requires_grad else "")
-        if callable(v) or isinstance(v, types.ModuleType):
-            return self.ref(v)
-        raise self.error(f"{_what(v)} has no source form; pass names={{'name': obj}} to to_source "
-                         "(and the same names to from_source)")
+        return write_value(self, v)
 
     def seq(self, open_: str, items: list[str], close: str) -> str:
         one = open_ + ", ".join(items) + close
@@ -246,8 +161,6 @@ class _Writer:
         return self.seq("{", [f"{self.ref(k)}: {self.value(v)}" for k, v in table.items()], "}")
 
     def _element(self, el: Element, path: tuple) -> str:
-        kind = type(el)
-        sub = lambda i, c: self.element(c, path + (i,))  # noqa: E731
         hook = getattr(el, "__flowvm_source__", None)
         if hook is not None:
             # arguments are written as values, where an element (a SPAWN's fragment, the elements in a
@@ -257,64 +170,79 @@ class _Writer:
                 self.child_paths.setdefault(id(c), path + (i,))
             texts = [self.value(a) for a in args] + [f"{k}={self.value(v)}" for k, v in kwargs.items()]
             return self.call(self.ref(ctor), texts)
-        name = _FLOWVM_NAMES.get(kind) or ("CALL" if isinstance(el, CALL) else None)
+        return SOURCE.of(el)(self, el, lambda i, c: self.element(c, path + (i,)))
+
+    def kind_name(self, el: Element) -> str:
+        """The name that constructs el's kind: flowvm's own from ``from flowvm import ...``, any other imported."""
+        name = _FLOWVM_NAMES.get(type(el))
         if name is None:
-            raise self.error(f"no source form for {el.kind} elements (define __flowvm_source__ on {kind.__name__})")
+            return self.ref(type(el))
         self.flowvm.add(name)
-        if isinstance(el, CALL):
-            args = [self.ref(el.fn)] + [self.value(a) for a in el.args]
-            if el.store_to is not None:
-                args.append(f"store_to={self.value(el.store_to)}")
-            odd = {}
-            for k, v in el.kwargs.items():
-                if k.isidentifier() and not keyword.iskeyword(k):
-                    args.append(f"{k}={self.value(v)}")
-                else:
-                    odd[k] = v
-            if odd:
-                args.append("**" + self.value(odd))
-            return self.call(name, args)
-        if kind is PRINT:
-            args = [self.value(o) for o in el.objs] + ([f"sep={el.sep!r}"] if el.sep != " " else [])
-            return self.call(name, args)
-        if kind is SEQ:
-            return self.call(name, [self.seq("[", [sub(i, c) for i, c in enumerate(el.elements)], "]")])
-        if kind is REPEAT:
-            args = [self.value(el.n), sub(0, el.body)]
-            if el.counter is not None:
-                args.append(f"counter={self.value(el.counter)}")
-            return self.call(name, args)
-        if kind is BUFFER:
-            args = [self.value(el.n), sub(0, el.body)]
-            if el.store_to is not None:
-                args.append(f"store_to={self.value(el.store_to)}")
-            return self.call(name, args)
-        if kind is LOOP:
-            return self.call(name, [sub(0, el.body)])
-        if kind is WHILE:
-            return self.call(name, [sub(0, el.cond), sub(1, el.body)])
-        if kind is SWITCH:
-            head = 1 if isinstance(el.selector, CALL) else 0
-            selector = sub(0, el.selector) if head else self.value(el.selector)
-            cases = [f"{self.value(k)}: {sub(head + i, c)}" for i, (k, c) in enumerate(el.cases.items())]
-            args = [selector, self.seq("{", cases, "}")]
-            if el.default is not None:
-                args.append(f"default={sub(len(el.children) - 1, el.default)}")
-            return self.call(name, args)
-        if kind is WEAVE:
-            args = [repr(el.n_required), self.seq("[", [sub(i, c) for i, c in enumerate(el.elements)], "]")]
-            if el.weights is not None:
-                args.append(f"weights={self.value(list(el.weights))}")
-            return self.call(name, args)
-        raise self.error(f"no source form for {el.kind}")  # pragma: no cover
+        return name
 
 
-def _what(obj: Any) -> str:
-    from ..program.printer import fn_name
+def _call_source(w: _Writer, el: CALL, sub) -> str:
+    w.flowvm.add("CALL")  # a CALL of any kind (one with Depends arguments, say) is built by CALL(...)
+    args = [w.ref(el.fn)] + [w.value(a) for a in el.args]
+    if el.store_to is not None:
+        args.append(f"store_to={w.value(el.store_to)}")
+    odd = {}
+    for k, v in el.kwargs.items():
+        if k.isidentifier() and not keyword.iskeyword(k):
+            args.append(f"{k}={w.value(v)}")
+        else:
+            odd[k] = v
+    if odd:
+        args.append("**" + w.value(odd))
+    return w.call("CALL", args)
 
-    if callable(obj):
-        return f"{fn_name(obj)} ({type(obj).__name__})"
-    return f"a {type(obj).__name__} value {obj!r:.40}"
+
+def _print_source(w: _Writer, el: PRINT, sub) -> str:
+    args = [w.value(o) for o in el.objs] + ([f"sep={el.sep!r}"] if el.sep != " " else [])
+    return w.call(w.kind_name(el), args)
+
+
+def _counted_source(w: _Writer, el: REPEAT | BUFFER, sub, extra: str) -> str:
+    args = [w.value(el.n), sub(0, el.body)]
+    if getattr(el, extra) is not None:
+        args.append(f"{extra}={w.value(getattr(el, extra))}")
+    return w.call(w.kind_name(el), args)
+
+
+def _switch_source(w: _Writer, el: SWITCH, sub) -> str:
+    head = 1 if isinstance(el.selector, CALL) else 0
+    selector = sub(0, el.selector) if head else w.value(el.selector)
+    cases = [f"{w.value(k)}: {sub(head + i, c)}" for i, (k, c) in enumerate(el.cases.items())]
+    args = [selector, w.seq("{", cases, "}")]
+    if el.default is not None:
+        args.append(f"default={sub(len(el.children) - 1, el.default)}")
+    return w.call(w.kind_name(el), args)
+
+
+def _weave_source(w: _Writer, el: WEAVE, sub) -> str:
+    args = [repr(el.n_required), w.seq("[", [sub(i, c) for i, c in enumerate(el.elements)], "]")]
+    if el.weights is not None:
+        args.append(f"weights={w.value(list(el.weights))}")
+    return w.call(w.kind_name(el), args)
+
+
+def _no_source(w: _Writer, el: Element, sub) -> str:
+    raise w.error(f"no source form for {el.kind} elements (define __flowvm_source__ on {type(el).__name__}, "
+                  "or register its SOURCE entry)")
+
+
+SOURCE = KindTable("source", _no_source, {
+    CALL: _call_source, PRINT: _print_source,
+    SEQ: lambda w, el, sub: w.call(w.kind_name(el), [w.seq("[", [sub(i, c) for i, c in enumerate(el.elements)], "]")]),
+    REPEAT: lambda w, el, sub: _counted_source(w, el, sub, "counter"),
+    BUFFER: lambda w, el, sub: _counted_source(w, el, sub, "store_to"),
+    LOOP: lambda w, el, sub: w.call(w.kind_name(el), [sub(0, el.body)]),
+    WHILE: lambda w, el, sub: w.call(w.kind_name(el), [sub(0, el.cond), sub(1, el.body)]),
+    SWITCH: _switch_source, WEAVE: _weave_source,
+})
+"""The source that builds an element, by kind: ``fn(writer, el, sub)``, where ``sub(i, child)`` is the source
+of child i and ``writer.value(v)``, ``writer.call(name, args)``, ``writer.kind_name(el)`` write the rest.  A kind
+with ``__flowvm_source__()`` is written from it instead; the default is an error naming the kind."""
 
 
 def to_source(program: Element, *, names: dict[str, Any] | None = None,
@@ -375,7 +303,7 @@ def to_source(program: Element, *, names: dict[str, Any] | None = None,
                 try:
                     values[name] = w.value(file[name])
                 except SourceError:
-                    raise SourceError(f"register {name!r} holds {_what(file[name])}, which has no source form; "
+                    raise SourceError(f"register {name!r} holds {describe_value(file[name])}, which has no source form; "
                                       "pass registers=False or a list of register names to leave it out") from None
     public = set(w.flowvm)
     for (module, attr), local in list(w.imports.items()):
