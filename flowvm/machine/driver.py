@@ -103,6 +103,7 @@ class Driver:
         self._ready = False
         self._rotate = False
         self._weave = has_weave(program)
+        run_starts(program)
         declared = program.process_settings
         if declared:
             self._resume = {"random": None, "settings": dict(declared), "announce": False}
@@ -523,6 +524,7 @@ class Driver:
             apply_random(pending["random"])
         apply_settings(pending["settings"], announce=pending["announce"])
         self._resume = None
+        run_starts(self.program)
 
     def __reduce_ex__(self, protocol):
         # Whatever the outer pickler (pickle, cloudpickle, copy.deepcopy), the
@@ -664,6 +666,24 @@ provide("start", Driver)  # Element.start()
 # The drivers in the middle of a step in this context, innermost first, as a chain (driver, outer chain) ending
 # in (): set by step() and by the loop of run() and arun(), read by flowvm.machine.running.
 DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()  # drivers started in this process (see flowvm.machine.running)
+
+
+def run_starts(program: Element) -> None:
+    """A run of program starts (a new driver, or a copy's first step): its leaves with a ``run_starts()``
+    method start work ahead (a SPAWN, the default pool's workers); fragments inside leaves do not count."""
+    for leaf in program._cached_subtree("run_starts", lambda: _starting_leaves(program)):
+        leaf.run_starts()
+
+
+def _starting_leaves(program: Element) -> list:
+    found, todo = [], [program]
+    while todo:
+        el = todo.pop()
+        if not el.is_leaf:
+            todo.extend(el.children)
+        elif getattr(el, "run_starts", None) is not None:
+            found.append(el)
+    return found
 
 
 def _root_copy(program: Element) -> Element:

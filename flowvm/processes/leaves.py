@@ -49,7 +49,7 @@ from ..base.sentinels import PENDING
 from ..program.elements import Element, Leaf, _check_element, _check_target
 from ..base.errors import TAIL_CHARS, CommandError, SpawnError, SpawnTimeout, VerifyError
 from .executors import (ExecutorRef, check_executor, default_executor, executor_by_token, executor_name,
-                        executor_token, register_executor, shutdown_default_executor)
+                        executor_token, register_executor, shutdown_default_executor, start_ahead)
 from .job import Job
 from ..program.registers import Register, iter_registers, resolve
 
@@ -439,6 +439,11 @@ class SPAWN(Leaf):
     def own_writes(self) -> list[Register]:
         own = [self.store_to] if self.store_to is not None else []
         return own + [r for r in _refs(self.body) if r.name in writes(self.body)]
+
+    def run_starts(self) -> None:
+        """A run holding this SPAWN starts (its driver is made, or a copy takes its first step): the default
+        pool, if the fragment goes there, starts in the background now, not at this SPAWN's first step."""
+        start_ahead(self.executor)
 
     def header_text(self) -> str:
         target = f"{self.store_to.name} = " if self.store_to is not None else ""
