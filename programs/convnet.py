@@ -9,6 +9,10 @@ resume; the held-out accuracy is measured after every epoch.  With the
 defaults it reaches about 98% held-out accuracy in a few seconds, as good as
 or better than a logistic regression on the same pixels.
 
+With ``flowvm run convnet --nproc N`` (or any launch of torch.distributed) it trains data-parallel: every
+rank builds the same network, ``Batches`` gives each rank its share of every epoch, and the updates go
+through DistributedDataParallel, which averages the ranks' gradients (see docs/distributed.md).
+
 ``data=`` (``--data``) takes the user's own labelled images: an ``(x, y)`` pair
 or an .npz with ``x`` and ``y``, ``x`` of shape N x H x W (one channel) or
 N x C x H x W, or rows of H*H values (a square one-channel image each, as a
@@ -16,6 +20,7 @@ N x C x H x W, or rows of H*H values (a square one-channel image each, as a
 trained network, a ``torch.nn.Module`` with ``predict(X)`` and ``predict_proba(X)``.
 
     flowvm run convnet --set epochs=5 --set optimizer=sgd
+    flowvm run convnet --nproc 2 --checkpoint run/
     flowvm run convnet --data images.npz --output convnet.pt
 """
 
@@ -107,7 +112,6 @@ class TrainedConvNet:
     ``module()`` makes the ``ConvNet`` again)."""
 
     def __init__(self, network: torch.nn.Module):
-        network = getattr(network, "module", network)  # a DistributedDataParallel wrapper's module
         self.shape_ = list(network.shape)
         self.channels_ = network.channels
         self.n_classes_ = network.classes
@@ -121,19 +125,38 @@ class TrainedConvNet:
 
 
 class Trainer:
-    """A network and its optimizer: one update per call, and the held-out accuracy."""
+    """A network and its optimizer: one update per call, and the held-out accuracy.  When torch.distributed
+    runs more than one rank, the updates go through the network wrapped in DistributedDataParallel (the ranks'
+    gradients averaged); the wrapper holds the process group, so it is a cache: made on first use, never
+    saved (a run saved on some ranks resumes on any number)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model = model
         self.optimizer = optimizer
         self.updates = 0
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_ddp", None)
+        return state
+
+    def network(self) -> torch.nn.Module:
+        """The model, or its DistributedDataParallel wrapper on several ranks."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.model
+        if self.__dict__.get("_ddp") is None:
+            self._ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+        return self._ddp
+
     def train_step(self, batch) -> float:
-        """One update on an (images, labels) batch; returns the batch loss."""
+        """One update on an (images, labels) batch; returns the batch loss (this rank's)."""
         x, y = batch
-        self.model.train()
+        network = self.network()
+        network.train()
         self.optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        loss = torch.nn.functional.cross_entropy(network(x), y)
         loss.backward()
         self.optimizer.step()
         self.updates += 1
@@ -141,10 +164,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """The fraction of images classified correctly."""
-        network = getattr(self.model, "module", self.model)  # evaluated without DDP's collectives
-        network.eval()
-        return (network(x).argmax(dim=1) == y).float().mean().item()
+        """The fraction of images classified correctly (on every rank alike: no collective)."""
+        self.model.eval()
+        return (self.model(x).argmax(dim=1) == y).float().mean().item()
 
     def log(self, history: list, epoch: int, loss: float, accuracy: float) -> list:
         """history with one more entry for the epoch just finished."""
@@ -199,15 +221,6 @@ def tensors(data: Data, shape) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.from_numpy(np.asarray(data.y, dtype=np.int64))
 
 
-def distributed_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The network wrapped in DistributedDataParallel when torch.distributed runs more than one rank."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return torch.nn.parallel.DistributedDataParallel(model)
-    return model
-
-
 def build(channels: int = 16, epochs: int = 10, batch_size: int = 32, optimizer: str = "adam",
           lr: float | None = None, val_fraction: float = 0.25, seed: int = 0, data=None):
     """Train the network on the digits (or on data) for `epochs` epochs; the accuracy on the held-out fraction
@@ -227,7 +240,7 @@ def build(channels: int = 16, epochs: int = 10, batch_size: int = 32, optimizer:
         opt = torch.optim.Adam(network.parameters(), lr=0.005 if lr is None else lr)
     else:
         opt = torch.optim.SGD(network.parameters(), lr=0.05 if lr is None else lr, momentum=0.9)
-    trainer = Trainer(distributed_module(network), opt)
+    trainer = Trainer(network, opt)
     batches = Batches((x_train, y_train), batch_size=batch_size, seed=seed)
     reg = Registers(x_test=x_test, y_test=y_test, accuracy=None, history=[], source=train.source.split(" (")[0],
                     held_out=0 if val is None else len(y_test))
