@@ -54,6 +54,7 @@ from .processes.leaves import POPEN, SPAWN
 from .processes.executors import register_executor
 from .base.data import Batches
 from .base.dataset import load_data
+from .distributed import rank, rank0, world_size
 from .program import analysis
 from .persist import checkpoint
 from . import testing  # noqa: F401,E402  (flowvm.testing.assert_same_run after import flowvm)
@@ -69,7 +70,7 @@ __all__ = [
     "POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout", "SpawnVersionError",
     "SpawnVersionWarning", "register_executor",
     "CopyWarning", "FusionWarning", "SettingsWarning",
-    "Batches", "load_data", "DataError", "WorkerError",
+    "Batches", "load_data", "DataError", "WorkerError", "rank", "world_size", "rank0",
     "Depends", "ANY", "EditError", "isolate", "template", "to_dot", "to_mermaid",
     "to_source", "from_source", "SourceError",
     "__version__",

@@ -19,7 +19,7 @@ LAYERS = {
     "editing": 4,
     "views": 5,
     "processes": 6,
-    "fused": 7, "passes": 7,
+    "fused": 7, "passes": 7, "distributed": 7,
     "__init__": 8, "testing": 8, "programs": 8,
     "command": 9, "__main__": 9,
 }

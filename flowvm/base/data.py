@@ -111,6 +111,7 @@ class Batches:
     start_method = None
     rank = 0
     world_size = 1
+    start = 0  # samples of the current epoch taken by a world of another size, before a resume (0 otherwise)
 
     def __init__(self, source: Any, batch_size: int = 32, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, collate: Callable[[list], Any] | None = None, *,
@@ -201,7 +202,7 @@ class Batches:
     @property
     def count(self) -> int:
         """The samples of an epoch this rank serves."""
-        return len(range(self.rank, self.size, self.world_size))
+        return len(range(self.rank, self.size - self.start, self.world_size))
 
     def __len__(self) -> int:
         """Batches per epoch (of this rank)."""
@@ -242,7 +243,8 @@ class Batches:
         """The sample indices of an epoch (default: the current one) in the order this rank serves them:
         a permutation seeded with (seed, epoch), every world_size-th entry from rank on."""
         epoch = self.epoch if epoch is None else epoch
-        key = (self.seed, epoch, self.shuffle, self.rank, self.world_size)
+        skip = self.start if epoch == self.epoch else 0
+        key = (self.seed, epoch, self.shuffle, self.rank, self.world_size, skip)
         cached = self.__dict__.get("_order")
         if cached is not None and key in cached:
             return cached[key]
@@ -250,7 +252,7 @@ class Batches:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.size)
         else:
             order = np.arange(self.size)
-        order = order[self.rank::self.world_size] if self.world_size > 1 else order
+        order = order[skip + self.rank::self.world_size] if self.world_size > 1 or skip else order
         cached = {k: v for k, v in (cached or {}).items() if k[1] >= epoch - 1}  # this epoch and its neighbours
         cached[key] = order
         self.__dict__["_order"] = cached
@@ -292,6 +294,7 @@ class Batches:
         if self.position >= len(self):
             self.epoch += 1
             self.position = 0
+            self.__dict__.pop("start", None)  # a resumed epoch's offset ends with it
         return batch
 
     def gather(self, idx: np.ndarray, epoch: int | None = None) -> Any:

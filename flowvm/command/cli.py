@@ -47,10 +47,12 @@ from .common import KEY_ENV, check_checkpoint_path, check_output, checkpoint_loc
 from .runner import DEFAULT_EVERY_SECONDS, Stop, static_steps
 from .state_commands import cmd_resume_state, cmd_show_checkpoint, cmd_show_state
 from .sweeps import cmd_plot, cmd_sweep, start_dask
-from . import outputs
+from . import launch, outputs
 
 
 def cmd_run(args) -> int:
+    if launch.wanted(args):  # data-parallel: launch the ranks, or be one (docs/distributed.md)
+        return launch.cmd_run(args)
     check_checkpoint_path(args.checkpoint)
     refuse_to_overwrite(args.checkpoint, args.force)
     check_output(args.output)
@@ -79,6 +81,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_resume(args) -> int:
+    if launch.wanted(args):
+        return launch.cmd_resume(args)
     if is_state(args.path):
         return cmd_resume_state(args)
     if args.program is not None or args.set:
@@ -177,6 +181,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true",
                      help="start over even if --checkpoint holds an unfinished run (which is replaced)")
     running(run)
+    launch.add_options(run)
     run.set_defaults(func=cmd_run)
 
     resume = sub.add_parser("resume", help="continue a saved run")
@@ -190,6 +195,7 @@ def parser() -> argparse.ArgumentParser:
                         help="keep this process's settings (torch threads, deterministic algorithms, ...) "
                              "instead of those the run was saved with")
     running(resume)
+    launch.add_options(resume)
     resume.set_defaults(func=cmd_resume)
 
     show = sub.add_parser("show", help="print a saved run: program, position, registers")
@@ -251,6 +257,7 @@ def main(argv: list[str] | None = None, early_signals: list[int] | None = None) 
         except StoppedDuringStartup as stopped:
             return _stopped_during_startup(stopped.signum)
         args.stop = stop
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
         if args.command not in ("run", "resume", "sweep"):  # nothing to stop at a step boundary
             stop.restore()
         for name in ("every", "max_steps", "threads"):

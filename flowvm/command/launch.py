@@ -1,0 +1,252 @@
+"""``flowvm run TARGET --nproc N`` and ``flowvm resume LOCATION``: data-parallel runs on torch.distributed.
+
+The command has two roles.  Given ``--nproc`` (or ``--nnodes``), it is the *launcher*: it starts torch's
+elastic agent (flowvm.distributed.launching), which starts the ranks, each running this same command line
+(``python -m flowvm ...``), restarts them after a lost rank (``--max-restarts``) and reports the rank that
+failed.  Started by an agent (ours or a plain ``torchrun -m flowvm run ...``: its environment names the
+process group), it is a *rank*: it starts the process group, builds the program (its ``Batches`` shard
+each epoch by rank), runs it in step with the other ranks and saves coordinated checkpoints in the folder
+or URL prefix ``--checkpoint`` names (flowvm.distributed.checkpoints).  Only rank 0 prints progress and the
+report, records the history, writes TensorBoard scalars and ``--output``.
+
+A rank restarted by the agent finds the checkpoint its run saved (same run id) and resumes from it.
+``flowvm resume LOCATION`` of a distributed checkpoint launches as many ranks as saved it, unless
+``--nproc`` asks for another number (the epoch's remaining samples are then shared out anew).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from ..base.errors import CheckpointError
+from ..distributed import checkpoints, group
+from ..distributed.launching import RankError, config, record_error, run_elastic
+from ..distributed.loop import DEFAULT_SYNC_EVERY, Synchronized
+from .common import check_output, finish, key_of, module_of, set_threads, write_model
+from .history import History
+from .runner import shown
+from .targets import build_program, load_module
+from . import outputs
+
+
+def add_options(parser) -> None:
+    """The data-parallel options of ``run`` and ``resume``."""
+    g = parser.add_argument_group("data-parallel runs (torch.distributed; see docs/distributed.md)")
+    g.add_argument("--nproc", type=int, metavar="N", help="ranks on this host (processes, one per GPU with CUDA)")
+    g.add_argument("--nnodes", type=int, default=1, metavar="M", help="hosts taking part (default 1)")
+    g.add_argument("--node-rank", type=int, metavar="R", help="this host's rank among them (a static rendezvous)")
+    g.add_argument("--rdzv", metavar="HOST:PORT", help="the rendezvous endpoint (several hosts)")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="restart the ranks up to K times after one fails (from the last complete checkpoint)")
+    g.add_argument("--dist-timeout", type=float, metavar="S",
+                   help=f"seconds a collective waits for the other ranks before failing (default "
+                        f"${group.TIMEOUT_ENV} or {group.DEFAULT_TIMEOUT:g})")
+    g.add_argument("--sync-every", type=int, default=DEFAULT_SYNC_EVERY, metavar="N",
+                   help=f"steps between two agreements of the ranks on stopping and saving (default "
+                        f"{DEFAULT_SYNC_EVERY})")
+
+
+def wanted(args) -> bool:
+    """Whether this command line is a data-parallel run (to launch, or one rank of)."""
+    if group.launched():
+        return True
+    if getattr(args, "nproc", None) is not None or getattr(args, "nnodes", 1) != 1:
+        return True
+    return args.command == "resume" and checkpoints.is_checkpoint(args.path)
+
+
+def cmd_run(args) -> int:
+    location = _location(args.checkpoint)
+    check_output(args.output)
+    if not group.launched():
+        if location is not None and not args.force:
+            _refuse_unfinished(location, key_of(args))
+        return _launch(args, args.nproc or 1)
+    return _as_rank(args, _run_rank)
+
+
+def cmd_resume(args) -> int:
+    location = _location(args.path)
+    if args.program is not None or args.set:
+        raise SystemExit("flowvm: --program and --set resume state checkpoints (.safetensors) only")
+    if not checkpoints.is_checkpoint(location):
+        raise SystemExit(f"flowvm: {location} holds no distributed checkpoint (no {checkpoints.MANIFEST})")
+    if not group.launched():
+        manifest = checkpoints.read_manifest(location, key_of(args))
+        return _launch(args, args.nproc or manifest["world_size"])
+    return _as_rank(args, _resume_rank)
+
+
+# ------------------------------------------------------------------ the launcher
+def _location(value):
+    if value is None:
+        return None
+    if isinstance(value, Path):
+        if value.exists() and not value.is_dir():
+            raise SystemExit(f"flowvm: --checkpoint {value}: a data-parallel run saves into a folder; "
+                             f"{value} is a file")
+        return value
+    return value.rstrip("/")
+
+
+def _refuse_unfinished(location, key) -> None:
+    if checkpoints.is_checkpoint(location):
+        manifest = checkpoints.read_manifest(location, key)
+        if not manifest.get("done"):
+            raise SystemExit(f"flowvm: {location} holds an unfinished run (step {manifest.get('steps')}); "
+                             f"continue it with `flowvm resume {location}`, or pass --force to start over")
+
+
+def _launch(args, nproc: int) -> int:
+    if nproc < 1 or args.nnodes < 1 or args.max_restarts < 0:
+        raise SystemExit("flowvm: --nproc and --nnodes must be >= 1, --max-restarts >= 0")
+    try:
+        cfg = config(nproc, args.nnodes, args.rdzv, args.node_rank, args.max_restarts)
+    except ValueError as err:
+        raise SystemExit(f"flowvm: {err}") from None
+    args.stop.restore()  # the agent takes SIGINT/SIGTERM over and passes them to the ranks
+    try:
+        run_elastic(cfg, sys.executable, "-m", "flowvm", *args.argv)
+    except RankError as err:
+        stopped = {128 + signal.SIGTERM, 128 + signal.SIGINT}
+        if err.exitcode in stopped:  # the ranks agreed to stop on a signal (rank 0 said so)
+            return err.exitcode
+        if err.traceback:
+            print(err.traceback.rstrip(), file=sys.stderr)
+        print(f"flowvm: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ------------------------------------------------------------------ a rank
+def _as_rank(args, body) -> int:
+    group.init(args.dist_timeout)
+    try:
+        return body(args)
+    except SystemExit as err:
+        if group.rank() != 0:  # the same refusal on every rank: said once
+            raise SystemExit(2 if isinstance(err.code, str) else err.code) from None
+        raise
+    except BaseException as err:
+        text = str(err).lower()
+        kind = "group" if any(word in text for word in ("gloo", "nccl", "connection", "timed out")) else "raised"
+        if record_error(err, kind):  # the agent's launcher prints it, once
+            return 1
+        raise
+    finally:
+        group.shutdown()
+
+
+def _meta(args, module, threads, location) -> dict:
+    target = args.target
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        target = str(Path(target).resolve())
+    meta = {"target": target, "module": module.__name__, "sets": list(args.set),
+            "show": list(getattr(module, "SHOW", [])), "threads": threads, "every": args.every,
+            "every_seconds": args.every_seconds, "sync_every": args.sync_every}
+    return outputs.record(args, meta)
+
+
+def _run_rank(args) -> int:
+    location, key = _location(args.checkpoint), key_of(args)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if location is not None and checkpoints.is_checkpoint(location):
+        manifest = checkpoints.read_manifest(location, key)
+        if restart > 0 and manifest["meta"].get("run_id") == run_id:  # this run, restarted: from its checkpoint
+            args.path = location
+            return _resume_rank(args)
+        if not args.force and restart == 0:
+            _refuse_unfinished(location, key)
+    if args.data is not None:
+        args.set.append(f"data={str(Path(args.data).resolve())!r}")
+    module = load_module(args.target)
+    threads = args.threads if args.threads is not None else getattr(module, "THREADS", None)
+    set_threads(threads)
+    module, program = build_program(args.target, args.set)
+    drv = program.start()
+    if args.threads is not None:
+        drv.resume_with(settings={"torch.threads": args.threads})
+    meta = dict(_meta(args, module, threads, location), run_id=run_id)
+    return _go(args, drv, module, meta, location, key, resumed=False)
+
+
+def _resume_rank(args) -> int:
+    location, key = _location(args.path), key_of(args)
+    manifest = checkpoints.read_manifest(location, key)
+    meta = dict(manifest.get("meta") or {}, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
+    module = module_of(meta)
+    set_threads(args.threads)
+    if args.every is None and args.every_seconds is None:
+        args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
+    drv = checkpoints.load(location, key, restore_settings=not getattr(args, "keep_settings", False))
+    if args.threads is not None:
+        drv.resume_with(settings={"torch.threads": args.threads})
+    meta = outputs.resume(args, meta)
+    check_output(args.output)
+    return _go(args, drv, module, meta, location, key, resumed=manifest["world_size"] == max(group.world_size(), 1))
+
+
+def _go(args, drv, module, meta: dict, location, key, resumed: bool) -> int:
+    """Run a rank's driver in step with the others; rank 0 reports."""
+    first = group.rank() == 0
+    if location is not None and isinstance(location, Path) and first:
+        location.mkdir(parents=True, exist_ok=True)
+    group.barrier()
+    history = History(drv, meta, list(meta.get("show", [])) + list(args.history), args.tensorboard) \
+        if first else None
+    progress = _Progress(drv, meta.get("show", []), args, location) if first else None
+
+    def on_chunk(d):
+        if history is not None:
+            history.sync()
+        if progress is not None:
+            progress.tick()
+
+    runner = Synchronized(drv, location, args.every, args.every_seconds, args.sync_every, key, meta,
+                          stop=args.stop, on_chunk=on_chunk, resumed=resumed)
+    try:
+        status = runner.run(args.max_steps)
+    finally:
+        if history is not None:
+            history.close()
+    if first:
+        if progress is not None:
+            progress.tick(force=True)
+        if status:
+            name = signal.Signals(status - 128).name
+            where = f"; saved to {location}, continue with `flowvm resume {location}`" if location else ""
+            print(f"flowvm: stopped by {name} at step {drv.steps}{where}", file=sys.stderr, flush=True)
+        finish(drv, module, location, key is not None, status)
+        write_model(drv, module, args.output)
+    return status
+
+
+class _Progress:
+    """Rank 0's plain progress lines."""
+
+    def __init__(self, drv, show, args, location):
+        self.drv, self.show, self.every = drv, list(show), args.progress_every
+        self.quiet = args.progress == "none"
+        self.start_step, self.start = drv.steps, time.monotonic()
+        self.last = self.start
+        if not self.quiet:
+            where = f", saving to {location}" if location is not None else ""
+            print(f"flowvm: running from step {drv.steps} on {max(group.world_size(), 1)} ranks{where}",
+                  file=sys.stderr, flush=True)
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.quiet or not (force or now - self.last >= self.every):
+            return
+        self.last = now
+        rate = (self.drv.steps - self.start_step) / max(now - self.start, 1e-9)
+        print(f"step {self.drv.steps} ({rate:.0f} steps/s) {shown(self.drv, self.show)}".rstrip(),
+              file=sys.stderr, flush=True)
+
+
+__all__ = ["add_options", "wanted", "cmd_run", "cmd_resume", "CheckpointError"]

@@ -1,0 +1,163 @@
+"""Starting the ranks: torch's elastic agent (``torch.distributed.launcher.api.elastic_launch``, what
+torchrun runs) on one host or several, restarts after a lost rank, and the error a failed group ends with.
+
+One host: a c10d rendezvous on a free loopback port.  Several hosts: every host runs the same launch with
+``nnodes`` and the rendezvous endpoint ``HOST:PORT`` (a c10d rendezvous, which the host at that address
+serves); with ``node_rank`` given, a static rendezvous with that host rank (torchrun's
+``--rdzv-backend=static``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from typing import Any, Callable
+
+from ..base.errors import FlowError
+from . import checkpoints, group
+
+__all__ = ["config", "run_elastic", "RankError", "launch", "rank_failure", "record_error"]
+
+KIND = "flowvm_kind"  # in a rank's error file: "raised" (its own error) or "group" (a collective failed)
+
+
+class RankError(FlowError):
+    """A rank of a data-parallel run failed: ``rank`` is its number, ``exitcode`` its exit status (a negative
+    signal number when killed), ``message`` its error and ``traceback`` where it was raised (when known)."""
+
+    def __init__(self, rank: int, exitcode: int, message: str, traceback: str = ""):
+        super().__init__(f"rank {rank} failed (exit code {exitcode}): {message}")
+        self.rank, self.exitcode, self.message, self.traceback = rank, exitcode, message, traceback
+
+
+def config(nproc: int, nnodes: int = 1, rdzv: str | None = None, node_rank: int | None = None,
+           max_restarts: int = 0, run_id: str | None = None, monitor_interval: float = 0.1):
+    """The elastic agent's LaunchConfig for nproc ranks on each of nnodes hosts."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if nproc < 1 or nnodes < 1 or max_restarts < 0:
+        raise ValueError(f"nproc and nnodes must be >= 1 and max_restarts >= 0, got nproc={nproc}, "
+                         f"nnodes={nnodes}, max_restarts={max_restarts}")
+    if nnodes > 1 and not rdzv:
+        raise ValueError("several hosts (nnodes > 1) need the rendezvous endpoint rdzv='HOST:PORT'")
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank {node_rank} is outside 0..{nnodes - 1}")
+    backend, configs = "c10d", {}
+    if node_rank is not None and nnodes > 1:
+        backend, configs = "static", {"rank": node_rank}
+    endpoint = rdzv or "127.0.0.1:0"
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks sharing a host's cores
+    return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id or uuid.uuid4().hex,
+                        rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=configs,
+                        max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="spawn")
+
+
+def record_error(err: BaseException, kind: str) -> bool:
+    """Write a rank's error where its agent reads it (``$TORCHELASTIC_ERROR_FILE``), marked with its kind:
+    the launcher then names the rank whose own error stopped the group.  False when no agent listens."""
+    import traceback
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    notes = "".join(f"\n{note}" for note in getattr(err, "__notes__", ()))
+    data = {"message": {"message": f"{type(err).__name__}: {err}{notes}",
+                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(err)),
+                                      "timestamp": str(int(time.time())), KIND: kind,
+                                      "rank": group.rank()}}}
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return True
+
+
+def rank_failure(failed) -> RankError:
+    """The error of the rank that stopped a failed group (torch's ChildFailedError): a rank's own error
+    first, then a collective that failed (a timeout), then the first to fail."""
+    def order(item):
+        rank, failure = item
+        info = (failure.error_file_data or {}).get("message", {})
+        extra = info.get("extraInfo", {}) if isinstance(info, dict) else {}
+        kind = {"raised": 0, "group": 1}.get(extra.get(KIND), 2)
+        return kind, failure.timestamp, rank
+
+    rank, failure = min(failed.failures.items(), key=order)
+    info = (failure.error_file_data or {}).get("message", {})
+    extra = info.get("extraInfo", {}) if isinstance(info, dict) else {}
+    message = failure.message or ""
+    if failure.exitcode < 0:
+        import signal
+
+        name = signal.Signals(-failure.exitcode).name
+        message = f"killed by {name}" if not message or message.startswith("Signal") else message
+    return RankError(rank, failure.exitcode, message or f"exit code {failure.exitcode}",
+                     extra.get("py_callstack", ""))
+
+
+def run_elastic(cfg, entrypoint: Callable | str, *args: Any) -> dict:
+    """Run entrypoint(*args) on every rank under the elastic agent; its results by rank.  A failed group
+    (after its restarts) is a RankError naming the rank that stopped it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    try:
+        return elastic_launch(cfg, entrypoint)(*args)
+    except ChildFailedError as failed:
+        raise rank_failure(failed) from None
+
+
+# ------------------------------------------------------------------ from Python
+def _rank_main(build: Callable, options: dict, location, every, every_seconds, sync_every, key, timeout,
+               max_steps):
+    from .loop import Synchronized
+
+    group.init(timeout)
+    try:
+        resumed = location is not None and checkpoints.is_checkpoint(location)
+        if resumed and not checkpoints.read_manifest(location, key).get("done"):
+            drv = checkpoints.load(location, key)
+        else:
+            resumed = False
+            drv = build(**options).start()
+        meta = {"builder": f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', '?')}",
+                "world_size": max(group.world_size(), 1)}
+        Synchronized(drv, location, every, every_seconds, sync_every, key, meta, resumed=resumed).run(max_steps)
+        print("ran", time.time(), flush=True)
+        return drv if group.rank() == 0 else None
+    except BaseException as err:
+        record_error(err, "group" if _collective_error(err) else "raised")
+        raise
+    finally:
+        group.shutdown()
+        print("shut", time.time(), flush=True)
+
+
+def _collective_error(err: BaseException) -> bool:
+    """Whether err is a collective's failure (a lost peer, a timeout) rather than the program's own."""
+    import torch.distributed as dist
+
+    return isinstance(err, getattr(dist, "DistError", ())) or "gloo" in str(err).lower() or \
+        "nccl" in str(err).lower()
+
+
+def launch(build: Callable, nproc: int = 2, options: dict | None = None, *, checkpoint=None,
+           every: int | None = None, every_seconds: float | None = None, sync_every: int | None = None,
+           key: str | None = None, timeout: float | None = None, max_restarts: int = 0, nnodes: int = 1,
+           rdzv: str | None = None, node_rank: int | None = None, max_steps: int | None = None):
+    """Run ``build(**options)``'s program data-parallel on nproc ranks (per host) under torch's elastic
+    agent, and return rank 0's finished driver.
+
+    ``build`` must be importable by name (a module-level function: the ranks are new processes).  With
+    ``checkpoint`` (a folder or URL prefix) the ranks save coordinated checkpoints there every ``every``
+    steps or ``every_seconds`` seconds and at the end, and a launch finding an unfinished run there resumes
+    it; after a lost rank the agent restarts the group up to ``max_restarts`` times, each time from the last
+    complete checkpoint.  ``timeout``: seconds a collective may wait for a rank before it fails.  A failed
+    group raises RankError, naming the rank that failed and its error."""
+    from .loop import DEFAULT_SYNC_EVERY
+
+    cfg = config(nproc, nnodes, rdzv, node_rank, max_restarts)
+    results = run_elastic(cfg, _rank_main, build, dict(options or {}), checkpoint, every, every_seconds,
+                          sync_every or DEFAULT_SYNC_EVERY, key, timeout, max_steps)
+    return results.get(0)

@@ -1,0 +1,111 @@
+"""Running one rank's driver in step with the others: every rank runs the same number of steps between two
+agreements (``sync_every``), and at each agreement the ranks learn, by one all-reduce of a few integers,
+whether any of them was asked to stop (SIGTERM, SIGINT) or found a time-based save due.  A save or a stop
+thus happens at the same step boundary on every rank, whichever rank the signal reached.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from . import checkpoints, group
+
+__all__ = ["Synchronized", "DEFAULT_SYNC_EVERY"]
+
+DEFAULT_SYNC_EVERY = 20
+
+
+class _Signals:
+    """SIGINT/SIGTERM become a request to stop at the next agreement (outside the command, which has its
+    own)."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+class Synchronized:
+    """Runs a rank's driver to its end (or ``max_steps`` more steps, or a stop agreed on), saving coordinated
+    checkpoints at ``location`` every ``every`` steps or ``every_seconds`` seconds (rank 0's clock decides),
+    when a stop is agreed on, and at the end.  ``stop`` is an object whose ``signal`` attribute a signal
+    handler sets (the command's); without one, SIGINT and SIGTERM are taken over while it runs.
+    ``on_chunk(drv)`` is called after every chunk of steps (progress, history)."""
+
+    def __init__(self, drv, location: Path | str | None = None, every: int | None = None,
+                 every_seconds: float | None = None, sync_every: int = DEFAULT_SYNC_EVERY, key: Any = None,
+                 meta: dict | None = None, stop: Any = None, on_chunk: Callable | None = None,
+                 resumed: bool = False):
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self.drv, self.location, self.every, self.every_seconds = drv, location, every, every_seconds
+        self.sync_every, self.key, self.meta, self.stop, self.on_chunk = sync_every, key, meta, stop, on_chunk
+        self.saved_step = drv.steps
+        self.written = resumed  # whether location holds this run at saved_step
+        self.saved_time = time.monotonic()
+        self.signal: int | None = None  # the signal the ranks agreed to stop on
+
+    def save(self) -> None:
+        if self.location is not None and (self.drv.steps != self.saved_step or not self.written):
+            checkpoints.save(self.drv, self.location, self.key, self.meta)
+            self.saved_step, self.saved_time, self.written = self.drv.steps, time.monotonic(), True
+
+    def _chunk(self, limit: int | None) -> int:
+        n = self.sync_every
+        if self.every is not None and self.location is not None:
+            n = max(1, min(n, self.saved_step + self.every - self.drv.steps))
+        if limit is not None:
+            n = min(n, limit - self.drv.steps)
+        return n
+
+    def _agree(self, stop) -> tuple[int, bool]:
+        due = (self.location is not None and self.every_seconds is not None
+               and time.monotonic() - self.saved_time >= self.every_seconds and group.rank() == 0)
+        signum, due = group.agree(getattr(stop, "signal", None) or 0, int(due))
+        return signum, bool(due)
+
+    def run(self, max_steps: int | None = None) -> int:
+        """Run; the exit status: 0, or 128 + the signal the ranks stopped on."""
+        drv = self.drv
+        limit = None if max_steps is None else drv.steps + max_steps
+        with (_Signals() if self.stop is None else _Keep(self.stop)) as stop:
+            if hasattr(stop, "running"):
+                stop.running = True
+            while not drv.done and (limit is None or drv.steps < limit):
+                drv.run(max_steps=self._chunk(limit))
+                if self.on_chunk is not None:
+                    self.on_chunk(drv)
+                signum, due = self._agree(stop)
+                if signum:
+                    self.signal = signum
+                    break
+                if not drv.done and (due or (self.every is not None and self.location is not None
+                                             and drv.steps - self.saved_step >= self.every)):
+                    self.save()
+            self.save()
+        return 128 + self.signal if self.signal else 0
+
+
+class _Keep:
+    def __init__(self, stop):
+        self.stop = stop
+
+    def __enter__(self):
+        return self.stop
+
+    def __exit__(self, *exc):
+        return None
