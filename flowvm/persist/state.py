@@ -11,7 +11,7 @@ everything else as JSON in the file's metadata (all values are strings holding J
     flowvm.tensors      the tensor table: name -> kind ("numpy"/"torch"), dtype, shape (see statevalues)
     flowvm.objects      [location, state] for every object the program's elements reach (see stateobjects)
     flowvm.registers    [name, value] for every register, in order
-    flowvm.run          step count, done, result, the frames (each: element path, kind, counters), the
+    flowvm.run          step count, done, result, the frames (each: element path, kind, counters by slot name), the
                         value in transit, the listing's position marks
     flowvm.environment  the global random states and the settings the run resumes with
     flowvm.xxh3         the checksum of an unsigned file; a signed one (key=) has flowvm.sha256 and
@@ -45,7 +45,7 @@ from ..base.errors import CheckpointError, CopyWarning
 from ..base.sentinels import NOVALUE
 from ..base.version import __version__
 from ..machine.driver import RunState
-from ..machine.frames import WEAVE_SEGMENTS, child_index, marks
+from ..machine.frames import SLOT_NAMES, WEAVE_SEGMENTS, child_index, marks
 from ..program.analysis import all_registers
 from ..program.elements import WEAVE, Element
 from ..program.paths import format_path, get, parse_path, walk
@@ -62,6 +62,7 @@ __all__ = ["save_state", "load_state", "read_state_header", "show_state", "read_
            "structure", "SavedObject", "SUFFIX", "FORMAT"]
 
 SUFFIX = ".safetensors"
+FAILED = "failed"  # the marker slot a move that failed once leaves past a frame's layout
 
 
 def structure(program: Element) -> dict:
@@ -148,17 +149,25 @@ def collect(driver, path: Any = "<state>", signed: bool = False, meta: dict | No
 
 
 def _frames(enc: Encoder, chain: list, base: tuple) -> list:
+    """Each frame of chain as {"path", "kind", "slots"}, its slots by the names frames.SLOT_NAMES gives them
+    (a kind without named slots, which a state file cannot load, keeps them as a list)."""
     out, path = [], base
     for k, fr in enumerate(chain):
         if k:
             path = path + (child_index(chain[k - 1]),)
         el, where = fr[0], f"frames/{format_path(path) or '<root>'}"
-        slots = []
-        for j, x in enumerate(fr[1:], 1):
-            if type(el) is WEAVE and j == WEAVE_SEGMENTS:
-                slots.append([None if seg is None else _frames(enc, seg, path + (i,)) for i, seg in enumerate(x)])
+        names = SLOT_NAMES.get(type(el), () if el.is_leaf else None)
+        slots: Any = {} if names is not None else []
+        for j, x in enumerate(fr[1:]):
+            name = str(j + 1) if names is None else names[j] if j < len(names) else FAILED
+            if type(el) is WEAVE and j + 1 == WEAVE_SEGMENTS:
+                x = [None if seg is None else _frames(enc, seg, path + (i,)) for i, seg in enumerate(x)]
             else:
-                slots.append(enc.value(x, f"{where}/{j}"))
+                x = enc.value(x, f"{where}/{name}")
+            if names is None:
+                slots.append(x)
+            else:
+                slots[name] = x
         out.append({"path": format_path(path), "kind": el.kind, "slots": slots})
     return out
 
@@ -259,7 +268,7 @@ def _unframes(dec: Decoder, nodes: list, program: Element, base: tuple, path: An
         if el.kind != node["kind"]:
             raise ValueError(f"frame at {node['path']!r} is a {node['kind']!r:.20}, the element a {el.kind}")
         fr = [el]
-        for j, slot in enumerate(node["slots"], 1):
+        for j, slot in enumerate(_slot_list(node["slots"], el, node["path"]), 1):
             if type(el) is WEAVE and j == WEAVE_SEGMENTS:
                 if type(slot) is not list:
                     raise ValueError(f"frame at {node['path']!r}: its segments are not a list")
@@ -273,6 +282,25 @@ def _unframes(dec: Decoder, nodes: list, program: Element, base: tuple, path: An
             raise ValueError(f"frame at {node['path'] or '<root>'!r} of a {el.kind}: {err}") from None
         chain.append(fr)
     return chain
+
+
+def _slot_list(slots: Any, el: Element, where: str) -> list:
+    """The slots of a saved frame in its layout's order: by name (format 3 on) or as a list (formats 1, 2)."""
+    if type(slots) is list:
+        return slots
+    if type(slots) is not dict:
+        raise ValueError(f"frame at {where!r}: its slots are {type(slots).__name__}, expected an object")
+    if not slots:
+        return []
+    names = SLOT_NAMES.get(type(el), ())
+    unknown = sorted(set(slots) - set(names) - {FAILED})
+    if unknown:
+        raise ValueError(f"frame at {where!r} of a {el.kind}: unknown slot {unknown[0]!r:.40} (a {el.kind} has "
+                         f"{', '.join(names) or 'none'})")
+    missing = [name for name in names if name not in slots]
+    if missing:
+        raise ValueError(f"frame at {where!r} of a {el.kind}: slot {missing[0]!r} is missing")
+    return [slots[name] for name in names] + ([slots[FAILED]] if FAILED in slots else [])
 
 
 def compare(saved: Any, here: dict, path: Any) -> None:

@@ -5,11 +5,12 @@ its tensors are those its table lists (dtype and shape), the checksum, then the 
 The checksum is a hash of the metadata (but the checksum and the signature themselves) and of the hashes of
 every 4 MiB piece of every tensor's bytes, in name order: a hash list, so that the pieces are hashed on every
 core, while a save has yet to write (the checksum goes in the header safetensors writes first) and while a load
-copies the next pieces.  An unsigned file (format 2) uses XXH3-128 (``flowvm.xxh3``): it detects corruption
+copies the next pieces.  An unsigned file (format 2 on) uses XXH3-128 (``flowvm.xxh3``): it detects corruption
 (truncation, flipped bits) at memory speed, and an unsigned checksum of any kind proves nothing against
 someone who rewrites the file, who can compute it again.  A signed file uses SHA-256 (``flowvm.sha256``) and
-an HMAC-SHA256 of the same bytes (``flowvm.hmac``), which only the key's holders can compute.  Format 1 files
-(flowvm 0.2) hold the SHA-256 checksum; they load as before.  A load copies
+an HMAC-SHA256 of the same bytes (``flowvm.hmac``), which only the key's holders can compute.  Format 3
+saves frames' slots by name (flowvm.persist.state); format 2 files (flowvm 0.3) hold them as lists and format 1
+files (flowvm 0.2) hold the SHA-256 checksum; both load as before.  A load copies
 every tensor out of the mapped file into memory of its own (allocated as the run's own tensors and arrays
 were: the alignment of the data can change the last bits of some kernels' results) and checks the copy, so
 that what is restored is what was checked, whatever happens to the file afterwards.
@@ -43,7 +44,7 @@ from .headers import check_header
 from .pickler import storage_bytes
 from .statevalues import numpy_dtype, torch_dtypes
 
-FORMAT = 2
+FORMAT = 3
 PIECE = 4 << 20  # bytes hashed as one piece of the hash list
 SHA, XXH, MAC = "flowvm.sha256", "flowvm.xxh3", "flowvm.hmac"
 PARTS = ("header", "program", "tensors", "objects", "registers", "run", "environment")

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import flowvm
-from flowvm import CALL, REPEAT, SEQ, CheckpointError, Registers
+from flowvm import CALL, REPEAT, SEQ, WEAVE, CheckpointError, Registers
 from flowvm.persist.state import read_state_header, structure
 from flowvm.testing import diff, outcome, same
 
@@ -179,12 +179,72 @@ def test_a_file_is_read_by_safetensors_alone_and_its_tensors_are_the_registers(t
         assert torch.equal(f.get_tensor("registers/pair/0"), reg["pair"][0])
     with safe_open(str(path), framework="np") as f:
         assert np.array_equal(f.get_tensor("registers/a"), reg["a"])
-    assert parsed["flowvm.header"]["steps"] == 1 and parsed["flowvm.format"] == 2
+    assert parsed["flowvm.header"]["steps"] == 1 and parsed["flowvm.format"] == 3
     assert len(meta["flowvm.xxh3"]) == 32 and "flowvm.sha256" not in meta  # XXH3-128, unsigned
     assert dict(parsed["flowvm.registers"])["n"] == 3
     assert parsed["flowvm.program"]["elements"][0] == ["", "SEQ", 2]
     assert parsed["flowvm.tensors"]["registers/w"] == {"kind": "torch", "dtype": "float32", "shape": [3, 4]}
     assert dict(parsed["flowvm.registers"])["w"] == {"tensor": "registers/w", "device": "cpu"}
+
+
+def _by_number(chain: list) -> None:
+    """chain (frames as a state file saves them) with its slots by number, as formats 1 and 2 saved them."""
+    from flowvm.machine.frames import SLOT_NAMES
+
+    kinds = {cls.__name__: names for cls, names in SLOT_NAMES.items()}
+    for fr in chain:
+        slots = fr["slots"]
+        listed = [slots[name] for name in kinds.get(fr["kind"], ()) if name in slots] + (
+            [slots["failed"]] if "failed" in slots else [])
+        if fr["kind"] == "WEAVE" and listed:
+            for seg in listed[1]:
+                if seg is not None:
+                    _by_number(seg)
+        fr["slots"] = listed
+
+
+def _woven(seed: int):
+    """A generated program (tests/progen.py) woven with a counter: frames of every kind, a WEAVE's paused ones."""
+    program = sp.random_program(seed, 3)
+    reg = sp.program_registers(program)
+    reg["k"] = 0
+    return WEAVE(-1, [program, REPEAT(5, CALL(lambda k: k + 1, reg("k"), store_to=reg("k")))], weights=[1, 0.5])
+
+
+@pytest.mark.parametrize("seed", [3, 13, 14])
+def test_frames_are_saved_by_slot_name_and_files_with_slots_by_number_still_load(tmp_path, seed):
+    from flowvm.machine.frames import SLOT_NAMES
+
+    drv = _woven(seed).start()
+    drv.run(max_steps=17)
+    path = flowvm.save_state(drv, tmp_path / "named.safetensors")
+    with safe_open(str(path), framework="np") as f:
+        run = json.loads(f.metadata()["flowvm.run"])
+    kinds = {cls.__name__: names for cls, names in SLOT_NAMES.items()}
+    frames = run["stack"]
+    assert frames and frames[0]["kind"] == "WEAVE"
+    for fr in frames:
+        assert type(fr["slots"]) is dict
+        assert not fr["slots"] or list(fr["slots"]) == list(kinds[fr["kind"]]), fr
+    assert set(frames[0]["slots"]) == {"active", "segments", "finished", "values", "credits", "n_finished",
+                                       "rotate_due"}
+
+    def old_format(meta):
+        run = json.loads(meta["flowvm.run"])
+        _by_number(run["stack"])
+        meta["flowvm.run"] = json.dumps(run)
+        meta["flowvm.format"] = "2"
+
+    old = rewrite(path, tmp_path / "numbered.safetensors", old_format)
+    with safe_open(str(old), framework="np") as f:
+        assert type(json.loads(f.metadata()["flowvm.run"])["stack"][0]["slots"]) is list
+    finished = []
+    for file in (path, old):
+        later = flowvm.load_state(file, _woven(seed))
+        later.run()
+        finished.append(outcome(later))
+    drv.run()
+    assert not diff(outcome(drv), finished[0]) and not diff(outcome(drv), finished[1])
 
 
 # ------------------------------------------------------------------ damaged, foreign, mismatched

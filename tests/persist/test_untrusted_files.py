@@ -226,20 +226,26 @@ def _frame(kind, change):
     def edit(run):
         for fr in run["stack"]:
             if fr["kind"] == kind:
-                change(fr["slots"])
+                new = change(fr["slots"])
+                fr["slots"] = fr["slots"] if new is None else new
                 return
         raise AssertionError(f"no {kind} frame")
     return edit
 
 
 @pytest.mark.parametrize("edit, field", [
-    (_frame("REPEAT", lambda s: s.__setitem__(0, -5)), "its counter is -5"),
-    (_frame("REPEAT", lambda s: s.__setitem__(0, "x")), "its counter is 'x'"),
-    (_frame("REPEAT", lambda s: s.pop()), "slots, its layout 3"),
-    (_frame("SEQ", lambda s: s.__setitem__(0, 7)), "its position is 7"),
+    (_frame("REPEAT", lambda s: s.__setitem__("i", -5)), "its counter is -5"),
+    (_frame("REPEAT", lambda s: s.__setitem__("i", "x")), "its counter is 'x'"),
+    (_frame("REPEAT", lambda s: s.__delitem__("last")), "slot 'last' is missing"),
+    (_frame("REPEAT", lambda s: s.__setitem__("speed", 1)), "unknown slot 'speed'"),
+    (_frame("REPEAT", lambda s: s.__setitem__("failed", 3)), "slots, its layout 3"),
+    (_frame("REPEAT", lambda s: s.clear() or s.update({"0": 1})), "unknown slot '0'"),
+    (_frame("SEQ", lambda s: s.__setitem__("pos", 7)), "its position is 7"),
+    (_frame("SEQ", lambda s: [7]), "its position is 7"),  # slots by number, as formats 1 and 2
     (lambda run: run.__setitem__("steps", 10 ** 30), "the step count"),
     (lambda run: run.__setitem__("fresh", 99), "fresh is 99"),
-], ids=["counter-negative", "counter-text", "missing-slot", "position", "steps-huge", "fresh"])
+], ids=["counter-negative", "counter-text", "missing-slot", "unknown-slot", "marker-not-true", "by-number",
+        "position", "list-position", "steps-huge", "fresh"])
 def test_impossible_run_states_are_refused(tmp_path, good, edit, field):
     path = crafted.edit_state(good, tmp_path / "bad.safetensors", "run", edit)
     with pytest.raises(CheckpointError, match=field):
