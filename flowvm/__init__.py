@@ -31,6 +31,8 @@ def _programs_beside():
 
 _programs_beside()
 
+import sys  # noqa: E402
+
 from .persist.checkpoint import load, read_header, save
 from .persist.state import load_state, save_state
 from .machine.driver import Driver
@@ -55,11 +57,13 @@ from .processes.executors import register_executor
 from .base.data import Batches
 from .base.dataset import load_data
 from .distributed import rank, rank0, world_size
-from .program import analysis
-from .persist import checkpoint
 from . import testing  # noqa: F401,E402  (flowvm.testing.assert_same_run after import flowvm)
 
 from .base.version import __version__
+from . import legacy as _legacy
+
+_legacy.install(sys.modules[__name__])  # 0.1's and 0.2's module paths, for one release (docs/api.md)
+__getattr__ = _legacy.package_getattr
 
 __all__ = [
     "BUFFER", "CALL", "LOOP", "PRINT", "REPEAT", "SEQ", "SWITCH", "WEAVE", "WHILE", "Element",

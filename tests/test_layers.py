@@ -20,7 +20,7 @@ LAYERS = {
     "views": 5,
     "processes": 6,
     "fused": 7, "passes": 7, "distributed": 7,
-    "__init__": 8, "testing": 8, "programs": 8,
+    "__init__": 8, "testing": 8, "programs": 8, "legacy": 8,
     "command": 9, "__main__": 9,
 }
 ROOT = Path(flowvm.__file__).resolve().parent
