@@ -53,7 +53,7 @@ from .views.source import from_source, to_source
 from .passes import list_passes, optimize, register_pass
 from .fused import FUSED, fusable
 from .processes.leaves import POPEN, SPAWN
-from .processes.executors import register_executor
+from .processes.named import register_executor
 from .base.data import Batches
 from .base.dataset import load_data
 from .distributed import rank, rank0, world_size

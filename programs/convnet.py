@@ -34,7 +34,7 @@ import torch
 
 from flowvm import CALL, REPEAT, SEQ, Batches, DataError, Registers, load_data
 from flowvm.base.dataset import Data
-from flowvm.programs import check_options
+from flowvm.programs import batch_options, check_options
 
 SHOW = ["epoch", "loss", "accuracy"]
 THREADS = 1  # a small network's step runs fastest on one torch thread; build() declares it
@@ -222,13 +222,16 @@ def tensors(data: Data, shape) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build(channels: int = 16, epochs: int = 10, batch_size: int = 32, optimizer: str = "adam",
-          lr: float | None = None, val_fraction: float = 0.25, seed: int = 0, data=None):
+          lr: float | None = None, val_fraction: float = 0.25, seed: int = 0, data=None, workers: int = 0,
+          prefetch: int = 2):
     """Train the network on the digits (or on data) for `epochs` epochs; the accuracy on the held-out fraction
-    `val_fraction` (on the training images when it is 0) after each."""
+    `val_fraction` (on the training images when it is 0) after each.  `workers` worker processes make the
+    minibatches ahead, `prefetch` each (the same batches, in the same order, as 0)."""
     if optimizer not in ("adam", "sgd"):
         raise ValueError(f"convnet: optimizer must be 'adam' or 'sgd', got {optimizer!r}")
     check_options("convnet", counts=dict(channels=channels, epochs=epochs, batch_size=batch_size),
                   positive=dict(lr=lr))
+    loading = batch_options("convnet", workers, prefetch)
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise ValueError(f"convnet: val_fraction must be a number in [0, 1), got {val_fraction!r}")
     train, val, shape, classes = images(data, val_fraction, seed)
@@ -241,7 +244,7 @@ def build(channels: int = 16, epochs: int = 10, batch_size: int = 32, optimizer:
     else:
         opt = torch.optim.SGD(network.parameters(), lr=0.05 if lr is None else lr, momentum=0.9)
     trainer = Trainer(network, opt)
-    batches = Batches((x_train, y_train), batch_size=batch_size, seed=seed)
+    batches = Batches((x_train, y_train), batch_size=batch_size, seed=seed, **loading)
     reg = Registers(x_test=x_test, y_test=y_test, accuracy=None, history=[], source=train.source.split(" (")[0],
                     held_out=0 if val is None else len(y_test))
     return SEQ([

@@ -80,6 +80,28 @@ def build(steps: int = 100000, dim: int = 8, lr: float = 0.05, seed: int = 0):
     ]), counter=reg("step"))
 
 
+async def watch_files(workdir: Path, wanted: asyncio.Event, training: asyncio.Task, stopped_by: list) -> None:
+    """A CHECKPOINT file in workdir asks for a checkpoint; a STOP file stops the training."""
+    while True:
+        await asyncio.sleep(0.05)
+        if (workdir / "CHECKPOINT").exists():
+            (workdir / "CHECKPOINT").unlink()
+            wanted.set()
+        if (workdir / "STOP").exists():
+            (workdir / "STOP").unlink()
+            stopped_by[0] = "stop file"
+            training.cancel()
+            return
+
+
+async def demo_requests(workdir: Path) -> None:
+    """What --demo does: ask for a checkpoint, then stop."""
+    await asyncio.sleep(0.3)
+    (workdir / "CHECKPOINT").touch()
+    await asyncio.sleep(0.3)
+    (workdir / "STOP").touch()
+
+
 async def main(workdir: str | Path, steps: int = 100000, report_every: float = 0.5, demo: bool = False,
                log=print) -> flowvm.Driver:
     """Train in workdir until done or until a STOP file appears; return the driver."""
@@ -102,36 +124,19 @@ async def main(workdir: str | Path, steps: int = 100000, report_every: float = 0
 
     stopped_by = ["interrupted"]
 
-    async def watch_files():
-        while True:
-            await asyncio.sleep(0.05)
-            if (workdir / "CHECKPOINT").exists():
-                (workdir / "CHECKPOINT").unlink()
-                wanted.set()
-            if (workdir / "STOP").exists():
-                (workdir / "STOP").unlink()
-                stopped_by[0] = "stop file"
-                training.cancel()
-                return
-
     async def serve_requests():
         while True:
             await wanted.wait()
             wanted.clear()
             save("requested")
 
-    async def make_demo_requests():
-        await asyncio.sleep(0.3)
-        (workdir / "CHECKPOINT").touch()
-        await asyncio.sleep(0.3)
-        (workdir / "STOP").touch()
-
     loop = asyncio.get_running_loop()
     if hasattr(signal, "SIGUSR1"):
         loop.add_signal_handler(signal.SIGUSR1, wanted.set)
-    helpers = [asyncio.create_task(t()) for t in (timer, watch_files, serve_requests)]
+    helpers = [asyncio.create_task(timer()), asyncio.create_task(serve_requests()),
+               asyncio.create_task(watch_files(workdir, wanted, training, stopped_by))]
     if demo:
-        helpers.append(asyncio.create_task(make_demo_requests()))
+        helpers.append(asyncio.create_task(demo_requests(workdir)))
     try:
         await training
         log(f"finished after {drv.steps} steps: loss {drv.registers['loss']:.6f}")

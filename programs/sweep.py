@@ -117,36 +117,34 @@ def parse_space(specs: "list[str] | dict") -> dict:
     """Search dimensions from ``name=kind:args`` texts (``--space`` on the command line): ``loguniform:LOW:HIGH``,
     ``uniform:LOW:HIGH``, ``int:LOW:HIGH`` (both ends included) or ``choice:A,B,C`` (Python literals, else
     text).  A dict of such texts, or of already parsed ``(kind, args)``, is taken as it is."""
+    items = specs.items() if isinstance(specs, dict) else [s.partition("=")[::2] for s in specs]
+    return {name: tuple(spec) if not isinstance(spec, str) else _dimension(name, spec) for name, spec in items}
+
+
+def _dimension(name: str, spec: str) -> tuple:
+    """(kind, args) of one ``name=kind:args`` text."""
     import ast
 
-    items = specs.items() if isinstance(specs, dict) else [s.partition("=")[::2] for s in specs]
-    space = {}
-    for name, spec in items:
-        if not isinstance(spec, str):
-            space[name] = tuple(spec)
-            continue
-        kind, _, rest = spec.partition(":")
-        if not name.isidentifier() or not rest:
-            raise ValueError(f"sweep: a search dimension is name=kind:args, got {name}={spec!r}")
-        if kind == "choice":
-            values = []
-            for text in rest.split(","):
-                try:
-                    values.append(ast.literal_eval(text))
-                except (ValueError, SyntaxError):
-                    values.append(text)
-            space[name] = ("choice", values)
-        elif kind in ("uniform", "loguniform", "int"):
+    kind, _, rest = spec.partition(":")
+    if not name.isidentifier() or not rest:
+        raise ValueError(f"sweep: a search dimension is name=kind:args, got {name}={spec!r}")
+    if kind == "choice":
+        values = []
+        for text in rest.split(","):
             try:
-                low, high = (float(v) for v in rest.split(":"))
-            except ValueError:
-                raise ValueError(f"sweep: {name}={spec}: {kind} needs LOW:HIGH numbers") from None
-            if not low < high or (kind == "loguniform" and low <= 0):
-                raise ValueError(f"sweep: {name}={spec}: needs LOW < HIGH" + (" and LOW > 0" if kind == "loguniform" else ""))
-            space[name] = (kind, [low, high])
-        else:
-            raise ValueError(f"sweep: {name}={spec}: unknown kind {kind!r} (uniform, loguniform, int, choice)")
-    return space
+                values.append(ast.literal_eval(text))
+            except (ValueError, SyntaxError):
+                values.append(text)
+        return ("choice", values)
+    if kind not in ("uniform", "loguniform", "int"):
+        raise ValueError(f"sweep: {name}={spec}: unknown kind {kind!r} (uniform, loguniform, int, choice)")
+    try:
+        low, high = (float(v) for v in rest.split(":"))
+    except ValueError:
+        raise ValueError(f"sweep: {name}={spec}: {kind} needs LOW:HIGH numbers") from None
+    if not low < high or (kind == "loguniform" and low <= 0):
+        raise ValueError(f"sweep: {name}={spec}: needs LOW < HIGH" + (" and LOW > 0" if kind == "loguniform" else ""))
+    return (kind, [low, high])
 
 
 def draw(space: dict, trials: int, seed: int) -> list[dict]:

@@ -3,6 +3,6 @@ fragment's job on both sides (job.py).
 
 ``register_executor`` names an executor so that a saved run can find it again in another process."""
 
-from .executors import register_executor
+from .named import register_executor
 
 __all__ = ["register_executor"]

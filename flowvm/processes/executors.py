@@ -1,33 +1,16 @@
-"""Where SPAWN fragments run: the default process pool, named executors, and the job a child runs.
+"""The default process pool where SPAWN fragments run unless told otherwise, and what it takes to run it.
 
-A SPAWN submits ``run_job(payload)`` to a ``concurrent.futures.Executor``.
-The payload is one pickle (flowvm's pickler: lambdas, closures and global
-generators by reference) of the fragment and the values of the registers it
-reads; the parent's register file itself never travels: the fragment's
-register references are rebuilt, in the child, over a fresh register file
-holding only those values.  The child runs the fragment with a fresh Driver
-and sends back its value and the registers it wrote, or the error it raised
-with its traceback text, as data: any exception the future itself raises is
-therefore a failure of the executor (a dead worker, a cancelled task).
-
-Executors:
-
-- ``None``: the default, one local process pool shared by all SPAWNs of this
-  process, created on first use (``forkserver`` start method where there is
-  one, else ``spawn``: never ``fork``, which is unsafe with threads around),
-  one worker per available core, its workers killed at interpreter exit.
-  A SPAWN starts it in a background thread (``start_default_executor``), all
-  its workers at once, and waits for it without blocking its caller.
-- any ``concurrent.futures.Executor`` instance, such as a Dask client's
-  ``client.get_executor()``.  An executor cannot be pickled, so a program
-  holding one pickles a reference to it, valid in this process only.
-- a name given to ``register_executor(name, executor)``: a program that
-  names its executor can be resumed in another process once that process
-  registers an executor under the same name.
-
->>> register_executor("local", None)   # the name now means the default pool
->>> executor_name("local"), executor_name(None)
-("'local'", 'default pool')
+``None`` as a SPAWN's executor is one local process pool shared by all
+SPAWNs of this process, created on first use (``forkserver`` start method
+where there is one, else ``spawn``: never ``fork``, which is unsafe with
+threads around), one worker per available core, its workers killed at
+interpreter exit.  It starts in a background thread
+(``start_default_executor``), all its workers at once, when a run holding a
+SPAWN on it starts (``flowvm.processes.named.start_ahead``) or at the
+SPAWN's first step, whose steps wait for it without blocking their caller.
+A fragment running in it that is abandoned retires the pool (the next SPAWN
+gets a fresh one).  Executors given by instance or by name:
+flowvm/processes/named.py.
 """
 
 from __future__ import annotations
@@ -42,6 +25,7 @@ from typing import Any
 from ..pickled import stable
 from ..base.errors import SpawnError
 from ..base.workers import process_alive
+from .mainscript import check_main_importable
 from .starts import move_unstarted, report_starts_to, stop_reading, watch_starts
 
 _lock = threading.RLock()
@@ -51,70 +35,7 @@ _pool_pid = None  # the process that created it: a forked child must leave it al
 _exit_hook_installed = False
 _retired: dict = {}  # former default pools -> their abandoned futures (killed when the rest is done, or at exit)
 _watched: dict = {}  # retired pools -> their futures that already have a _kill_when_idle callback
-_named: dict[str, Any] = {}
-_modes: dict[str, str] = {}  # executor name -> "error" or "warn" (see register_executor)
 _by_token: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
-
-
-def main_guard_hint() -> str:
-    """A hint when the main script lacks ``if __name__ == '__main__':`` (workers re-run an unguarded script)."""
-    import ast
-    import sys
-
-    missing = unimportable_main()
-    if missing is not None:
-        return f" Note: if the pool's workers start with forkserver or spawn, {unimportable_main_text(missing)}."
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    if not path or not str(path).endswith(".py"):
-        return ""
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
-        return ""
-    for node in tree.body:
-        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
-            return ""
-    return (f" Note: {path} has no `if __name__ == '__main__':` guard; each new worker process imports the main "
-            "script, so it runs the script's work again and fails: put that work under the guard.")
-
-
-def unimportable_main() -> str | None:
-    """The path a spawn or forkserver worker would run to import the main module, when no such file exists
-    (a script piped on stdin: ``python - < script.py``); else None.
-
-    Such a worker runs the main script's file again before it takes any work
-    (as multiprocessing.spawn decides: a main module with a ``__spec__`` is
-    imported by name instead), fails to find it and dies.
-    """
-    import sys
-
-    main = sys.modules.get("__main__")
-    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None \
-            or getattr(sys, "frozen", False):  # a frozen application's bundler takes care of its workers
-        return None
-    path = getattr(main, "__file__", None)
-    if not isinstance(path, str):
-        return None  # python -c, an interactive session: the workers leave the main module alone
-    from multiprocessing import process
-
-    if not os.path.isabs(path) and process.ORIGINAL_DIR is not None:
-        path = os.path.join(process.ORIGINAL_DIR, path)
-    return None if os.path.exists(path) else path
-
-
-def unimportable_main_text(path: str) -> str:
-    how = "was read from stdin" if os.path.basename(path) == "<stdin>" else "has no file"
-    return (f"the main script {how}, so pool workers started with forkserver or spawn (never fork) cannot "
-            f"import it: such a worker imports the main script again, from its file ({path!r} here, which "
-            "does not exist), before it takes any work, and dies. Run the script from a file "
-            "(python script.py), or give SPAWN an executor of your own")
-
-
-def _check_main_importable() -> None:
-    path = unimportable_main()
-    if path is not None:
-        raise SpawnError(f"the default pool cannot start: {unimportable_main_text(path)}.")
 
 
 # ----------------------------------------------------------------- executors
@@ -150,7 +71,7 @@ def start_default_executor() -> tuple[Any, cf.Future | None]:
         if _pool is not None:
             return _pool, None
         if _starting is None:
-            _check_main_importable()
+            check_main_importable()
             _install_exit_hooks()
             _starting = cf.Future()
             threading.Thread(target=_start_pool, args=(_starting,), name="flowvm-pool-start",
@@ -203,6 +124,10 @@ def _preload_flowvm(ctx) -> None:
     modules = list(getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or [])
     if "flowvm" not in modules:
         ctx.set_forkserver_preload(modules + ["flowvm"])
+
+
+def default_pool_is_up() -> bool:
+    return _pool is not None
 
 
 def _start_pool(done: cf.Future) -> None:
@@ -444,51 +369,10 @@ def discard_broken(executor) -> None:
     stop_reading(executor)
 
 
-def register_executor(name: str, executor, *, versions: str = "error") -> None:
-    """Make ``SPAWN(..., executor=name)`` run on executor in this process (None: the default pool).
-
-    Register the name again in a process that loads a checkpoint of such a
-    program before resuming it.  A fragment sent to any executor but the default
-    pool takes along the code that no installed distribution holds, and its worker
-    refuses it when its versions of the packages the fragment uses differ from
-    this process's (see flowvm.processes.shipping); ``versions="warn"`` runs it
-    anyway, with a SpawnVersionWarning here.
-    """
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"executor name must be a non-empty str, got {name!r}")
-    if versions not in ("error", "warn"):
-        raise ValueError(f"register_executor({name!r}): versions must be 'error' or 'warn', got {versions!r}")
-    if executor is not None:
-        executor = check_executor(executor, f"register_executor({name!r})")
-        from . import shipping
-
-        shipping.warm()
-    _named[name] = executor
-    _modes[name] = versions
-
-
-def version_mode(spec) -> str:
-    """What a worker does when its package versions differ from this process's: "error" or "warn"."""
-    return _modes.get(spec, "error") if isinstance(spec, str) else "error"
-
-
 def is_default_pool(executor) -> bool:
     """Whether executor is the default local pool (or a retired one), whose workers share this process's
     files: fragments go to it without shipping code or checking versions."""
     return executor is _pool or (executor is not None and executor in _retired)
-
-
-def check_executor(executor, owner: str):
-    """executor itself if it can run jobs; a Dask Client becomes its executor."""
-    if isinstance(executor, cf.Executor):
-        return executor
-    get = getattr(executor, "get_executor", None)
-    if callable(get):  # dask.distributed.Client: its submit() does not return concurrent.futures
-        return get()
-    if not callable(getattr(executor, "submit", None)):
-        raise TypeError(f"{owner}: executor must be a concurrent.futures.Executor, a name given to "
-                        f"flowvm.register_executor, or None; got {type(executor).__name__}")
-    return executor
 
 
 def executor_token(executor) -> str:
@@ -512,75 +396,6 @@ class ExecutorRef:
 
     def __repr__(self):
         return f"<executor {self.token}>"
-
-
-def executor_name(spec) -> str:
-    if spec is None:
-        return "default pool"
-    if isinstance(spec, str):
-        return repr(spec)
-    if isinstance(spec, ExecutorRef):
-        return spec.token.split("@")[0]
-    return type(spec).__name__
-
-
-def resolve_executor(spec, wait: bool = True):
-    """The executor a SPAWN's executor field stands for, in this process.
-
-    With wait=False, a default pool that is not up yet is a future instead
-    (see start_default_executor): done when it is, then ask again.
-    """
-    if spec is None:
-        return default_executor() if wait else _default_or_start()
-    if isinstance(spec, str):
-        try:
-            executor = _named[spec]
-        except KeyError:
-            known = ", ".join(repr(k) for k in sorted(_named)) or "none"
-            raise SpawnError(f"no executor is registered under the name {spec!r} in this process "
-                             f"(registered: {known}); call flowvm.register_executor({spec!r}, ...) "
-                             "before running or resuming the program") from None
-        if executor is None:
-            return default_executor() if wait else _default_or_start()
-        return executor
-    if isinstance(spec, ExecutorRef):
-        executor = _by_token.get(spec.token)
-        if executor is None:
-            raise SpawnError(f"the SPAWN's executor ({spec.token.split('@')[0]}) was pickled by reference and "
-                             "does not exist in this process; to resume in another process, register it with "
-                             "flowvm.register_executor(name, executor) and build the SPAWN with "
-                             "executor=name")
-        return executor
-    return spec
-
-
-def start_ahead(spec) -> None:
-    """A run holding a SPAWN with this executor field starts: if its fragments go to the default pool, start
-    the pool in the background now (see start_default_executor), so that its workers are up by the time the
-    SPAWN's first step submits the fragment.  Never raises: a pool that cannot start fails that step.
-
-    Nothing starts in a process that is itself starting as a worker (a spawn or forkserver child importing
-    the main script): a script that makes a driver outside its ``__main__`` guard must not have every worker
-    start a pool of its own.
-    """
-    if isinstance(spec, str):
-        if _named.get(spec, spec) is not None:  # another executor, or a name not registered (yet)
-            return
-    elif spec is not None:
-        return
-    from multiprocessing import process
-
-    if _pool is not None or getattr(process.current_process(), "_inheriting", False):
-        return
-    try:
-        start_default_executor()
-    except SpawnError:  # the main script has no file: the SPAWN's first step says so
-        pass
-
-
-def _default_or_start():
-    pool, starting = start_default_executor()
-    return pool if pool is not None else starting
 
 
 def executor_by_token(token: str):

@@ -36,8 +36,6 @@ standard one is standard only when its file lies in the standard library (a user
 from __future__ import annotations
 
 import dis
-import hashlib
-import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
@@ -52,9 +50,10 @@ import types
 
 import cloudpickle
 
-from ..base.errors import SpawnError, SpawnVersionError
+from ..base.errors import SpawnError
 from ..base.version import __version__
 from ..persist.pickler import Pickler
+from .arrival import ShippedSources, check, refusal, version_of  # noqa: F401 - the worker's side, here too
 
 MODES = ("error", "warn")
 
@@ -63,7 +62,6 @@ STDLIB, FLOWVM, INSTALLED, DIST, LOCAL, COMPILED = "stdlib", "flowvm", "installe
 
 _kinds: dict[str, tuple[int, tuple]] = {}  # module name -> (id of the module object, its kind)
 _top_dists: dict[str, list[str]] | None = None
-_versions: dict[str, str | None] = {}
 _dist_files: dict[str, set[str]] = {}
 
 
@@ -187,6 +185,11 @@ def _kind(name: str, module) -> tuple:
     if path is None:  # not loaded here, or no file (a builtin, a frozen module): the worker imports it
         dists = _dists_of(top)
         return (DIST, dists[0]) if dists else (INSTALLED,)
+    return _kind_of_file(top, path)
+
+
+def _kind_of_file(top: str, path: str) -> tuple:
+    """How a module that is not standard travels, by the file it was loaded from."""
     holder = _dist_holding(path, _dists_of(top))
     if holder is not None:
         return (DIST, holder)
@@ -266,25 +269,23 @@ def _dists_of(top: str) -> list[str]:
     return _top_dists.get(top, [])
 
 
-def version_of(dist_name: str, cached: bool = True) -> str | None:
-    """The installed version of a distribution here (None: not installed); looked up once per process
-    unless cached is False (a worker checks afresh: a package may be installed while it runs)."""
-    if not cached or dist_name not in _versions:
-        try:
-            _versions[dist_name] = importlib.metadata.version(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            _versions[dist_name] = None
-    return _versions[dist_name]
-
-
 def manifest(noted: set[str], mode: str, source_tops=()) -> str:
     """What the worker checks before it unpickles the fragment (JSON): the versions of Python, flowvm and
     every distribution among the noted modules, the compiled modules that could not be shipped, and the
     sources of the local packages in source_tops (see sources_of)."""
     packages: dict[str, str] = {}
     compiled: dict[str, str] = {}
-    sources: dict[str, str] = {}
-    for name in sorted(noted):
+    _note(sorted(noted), packages, compiled)
+    sources, source_packages, source_files, imported = _shipped_sources(source_tops)
+    _note(sorted(imported - set(noted)), packages, compiled)
+    return json.dumps({"python": platform.python_version(), "flowvm": __version__, "packages": packages,
+                       "compiled": compiled, "sources": sources, "source_packages": sorted(source_packages),
+                       "source_files": source_files, "mode": mode, "host": platform.node()})
+
+
+def _note(names, packages: dict, compiled: dict) -> None:
+    """Note the distributions (with their versions) and the compiled modules among the modules names."""
+    for name in names:
         kind = kind_of(name)
         if kind[0] == DIST:
             version = version_of(kind[1])
@@ -292,10 +293,17 @@ def manifest(noted: set[str], mode: str, source_tops=()) -> str:
                 packages[kind[1]] = version
         elif kind[0] == COMPILED:
             compiled[name] = kind[1]
-    # the shipped packages' own imports: local ones travel too, installed ones are checked
-    shipped, names, pending = set(), set(noted), sorted(source_tops)
+
+
+def _shipped_sources(source_tops) -> tuple[dict, set, dict, set]:
+    """(sources, package names, files, imported module names) of the local packages in source_tops and of the
+    local packages their modules import, in turn: those travel too (the installed ones are checked)."""
+    sources: dict[str, str] = {}
+    shipped: set[str] = set()
+    imported: set[str] = set()
     source_packages: set[str] = set()
     source_files: dict[str, str] = {}
+    pending = sorted(source_tops)
     while pending:
         top = pending.pop()
         if top in shipped:
@@ -303,26 +311,23 @@ def manifest(noted: set[str], mode: str, source_tops=()) -> str:
         shipped.add(top)
         found = sources_of(top, source_packages, source_files)
         sources.update(found)
-        for name, text in found.items():
-            try:
-                code = compile(text, f"<{name}>", "exec")
-            except (SyntaxError, ValueError):
-                continue
-            package = name if name in source_packages else name.rpartition(".")[0]
-            for imported in _imports_in(code, package or None):
-                names.add(imported)
-                local = _local_top(imported)
-                if local is not None and local not in shipped:
-                    pending.append(local)
-    for name in sorted(names - set(noted)):
-        kind = kind_of(name)
-        if kind[0] == DIST and version_of(kind[1]) is not None:
-            packages[kind[1]] = version_of(kind[1])
-        elif kind[0] == COMPILED:
-            compiled[name] = kind[1]
-    return json.dumps({"python": platform.python_version(), "flowvm": __version__, "packages": packages,
-                       "compiled": compiled, "sources": sources, "source_packages": sorted(source_packages),
-                       "source_files": source_files, "mode": mode, "host": platform.node()})
+        for name in _imports_of_sources(found, source_packages):
+            imported.add(name)
+            local = _local_top(name)
+            if local is not None and local not in shipped:
+                pending.append(local)
+    return sources, source_packages, source_files, imported
+
+
+def _imports_of_sources(found: dict[str, str], packages: set):
+    """The absolute names of the modules that the sources (module name -> text) import."""
+    for name, text in found.items():
+        try:
+            code = compile(text, f"<{name}>", "exec")
+        except (SyntaxError, ValueError):
+            continue
+        package = name if name in packages else name.rpartition(".")[0]
+        yield from _imports_in(code, package or None)
 
 
 SOURCE_LIMIT = 8 << 20  # bytes of source shipped for one local package
@@ -346,8 +351,17 @@ def sources_of(top: str, packages: set | None = None, files: dict | None = None)
         if files is not None:
             files[top] = path
         return {top: _read(path)}
+    found = _package_sources(top, path, packages, files)
+    size = sum(len(text) for text in found.values())
+    if size > SOURCE_LIMIT:
+        raise SpawnError(f"the fragment imports the local package {top!r} ({path}), whose {size >> 20} MB of "
+                         "source is too much to ship with every fragment: install it on the workers")
+    return found
+
+
+def _package_sources(top: str, path: str, packages: set | None, files: dict | None) -> dict[str, str]:
+    """{module name: source} of every .py file under the folder path of the package top."""
     found: dict[str, str] = {}
-    size = 0
     for folder, dirs, names in os.walk(path):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
         rel = os.path.relpath(folder, path)
@@ -355,153 +369,15 @@ def sources_of(top: str, packages: set | None = None, files: dict | None = None)
         for name in sorted(names):
             if name.endswith(".py"):
                 text = _read(os.path.join(folder, name))
-                size += len(text)
                 module_name = prefix if name == "__init__.py" else f"{prefix}.{name[:-3]}"
                 found[module_name] = text
                 if name == "__init__.py" and packages is not None:
                     packages.add(prefix)
                 if files is not None:
                     files[module_name] = os.path.join(folder, name)
-    if size > SOURCE_LIMIT:
-        raise SpawnError(f"the fragment imports the local package {top!r} ({path}), whose {size >> 20} MB of "
-                         "source is too much to ship with every fragment: install it on the workers")
     return found
 
 
 def _read(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read()
-
-
-class _Served(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """The worker's one finder for shipped sources (after its own: a copy the worker has itself wins):
-    name -> [source, digest, fragments using it].  Fragments bringing the same source of a name share it;
-    one bringing another source of a name in use waits until no fragment uses it (and its modules are gone)."""
-
-    def __init__(self):
-        self.served: dict[str, list] = {}
-        self.changed = threading.Condition()
-
-    def find_spec(self, fullname, path=None, target=None):
-        entry = self.served.get(fullname)
-        if entry is not None:
-            return importlib.util.spec_from_loader(fullname, self, origin=f"<shipped {fullname}>",
-                                                   is_package=entry[3] or _is_package(fullname, self.served))
-        if any(name.startswith(fullname + ".") for name in list(self.served)):  # a namespace package's prefix
-            return importlib.util.spec_from_loader(fullname, self, origin=f"<shipped {fullname}>", is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        entry = self.served.get(module.__name__)
-        if entry is not None:
-            if entry[4]:
-                module.__file__ = entry[4]  # the parent's path to it
-            exec(compile(entry[0], entry[4] or f"<shipped {module.__name__}>", "exec"), module.__dict__)
-
-    def enter(self, sources: dict[str, str], packages=(), files=None) -> None:
-        files = files or {}
-        digests = {name: hashlib.sha256(f"{name in packages}:{files.get(name)}:{text}".encode()).hexdigest()
-                   for name, text in sources.items()}
-        with self.changed:
-            while any(name in self.served and self.served[name][1] != digest for name, digest in digests.items()):
-                self.changed.wait()
-            for name, digest in digests.items():
-                entry = self.served.setdefault(name, [sources[name], digest, 0, name in packages, files.get(name)])
-                entry[2] += 1
-            if self not in sys.meta_path:
-                sys.meta_path.append(self)
-
-    def leave(self, sources: dict[str, str]) -> None:
-        with self.changed:
-            for name in sources:
-                entry = self.served[name]
-                entry[2] -= 1
-                if not entry[2]:
-                    del self.served[name]
-                    for loaded in [m for m in list(sys.modules) if m == name or m.startswith(name + ".")]:
-                        sys.modules.pop(loaded, None)
-            if not self.served and self in sys.meta_path:
-                sys.meta_path.remove(self)
-            self.changed.notify_all()
-
-
-def _is_package(name: str, names) -> bool:
-    return any(other.startswith(name + ".") for other in list(names))
-
-
-_served = _Served()
-
-
-class ShippedSources:
-    """In the worker, while a fragment runs: imports served from the sources its manifest carries (see
-    _Served); the modules imported from them are forgotten once no running fragment uses them."""
-
-    def __init__(self, sources: dict[str, str], packages=(), files=None):
-        self.sources, self.packages, self.files = sources, frozenset(packages), dict(files or {})
-
-    def __enter__(self):
-        if self.sources:
-            _served.enter(self.sources, self.packages, self.files)
-        return self
-
-    def __exit__(self, *exc):
-        if self.sources:
-            _served.leave(self.sources)
-        return False
-
-
-def check(text: str) -> tuple[list[SpawnVersionError], list[str]]:
-    """In the worker: (refusals, warnings) for a fragment's manifest.  A version that differs is a refusal,
-    or a warning in "warn" mode; a missing distribution or compiled module is always a refusal."""
-    wanted = json.loads(text)
-    where = f"the worker ({platform.node()}, Python {platform.python_version()}, {sys.executable})"
-    parent = f"the parent ({wanted.get('host', '?')})"
-    refusals: list[SpawnVersionError] = []
-    differ: list[SpawnVersionError] = []
-    here_python, there_python = wanted["python"], platform.python_version()
-    if here_python.split(".")[:2] != there_python.split(".")[:2]:  # refused even in "warn" mode
-        refusals.append(SpawnVersionError(
-            f"Python is {here_python} in {parent} and {there_python} in {where}: a fragment pickled by one "
-            "Python minor version may not load or run under another", "python", here_python, there_python))
-    if wanted["flowvm"] != __version__:
-        differ.append(SpawnVersionError(f"flowvm is {wanted['flowvm']} in {parent} and {__version__} in {where}",
-                                        "flowvm", wanted["flowvm"], __version__))
-    for dist_name, version in wanted["packages"].items():
-        theirs = version_of(dist_name)
-        if theirs != version:  # read again: it may have been installed or upgraded since
-            theirs = version_of(dist_name, cached=False)
-        if theirs is None:
-            refusals.append(SpawnVersionError(
-                f"the fragment's code uses the package {dist_name!r} ({version} in {parent}), which is not "
-                f"installed in {where}: install {dist_name}=={version} there", dist_name, version, None))
-        elif theirs != version:
-            differ.append(SpawnVersionError(
-                f"the fragment's code uses the package {dist_name!r}, which is {version} in {parent} and {theirs} "
-                f"in {where}: install {dist_name}=={version} on the worker (or register the executor with "
-                "versions='warn' to run it anyway)", dist_name, version, theirs))
-    for name, path in wanted["compiled"].items():
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            refusals.append(SpawnVersionError(
-                f"the fragment uses the module {name!r}, a compiled extension ({path} in {parent}) that belongs "
-                f"to no installed distribution: compiled code cannot be shipped, and {where} cannot import it; "
-                "install it on the workers (as a package) or keep it out of the fragment", name, path, None))
-    if wanted.get("mode", "error") == "warn":
-        return refusals, [str(err) for err in differ]
-    return refusals + differ, []
-
-
-def refusal(errors: list[SpawnVersionError]) -> SpawnVersionError:
-    """One error for the worker's refusals: the first, with the others as notes."""
-    first = errors[0]
-    err = SpawnVersionError(f"the worker refused the fragment before running it: {first}", first.package,
-                            first.here, first.there)
-    for other in errors[1:]:
-        err.add_note(f"also: {other}")
-    return err

@@ -14,7 +14,7 @@ import pytest
 import flowvm
 from flowvm import CALL, SEQ, SPAWN, WEAVE, Registers
 from flowvm.processes import executors
-from flowvm.processes.executors import default_executor, shutdown_default_executor
+from flowvm.processes.executors import shutdown_default_executor
 import toy
 
 pytestmark = pytest.mark.timeout(90)

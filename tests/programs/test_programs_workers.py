@@ -1,4 +1,4 @@
-"""The bundled programs that read minibatches (mlp, rbm) take workers= and prefetch= (``--set workers=N``):
+"""The bundled programs that read minibatches (mlp, rbm, convnet) take workers= and prefetch= (``--set workers=N``):
 the same run, bit for bit, with any number of worker processes, and a run saved mid-epoch with workers
 resumes without them exactly."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flowvm
-from flowvm.programs import mlp, rbm
+from flowvm.programs import convnet, mlp, rbm
 from flowvm.testing import same
 from toy import flowvm_cmd
 
@@ -30,6 +30,7 @@ def finished(drv) -> dict:
 @pytest.mark.parametrize("module, options", [
     (mlp, dict(samples=600, hidden=8, epochs=2, batch_size=32)),
     (rbm, dict(samples=300, hidden=6, epochs=2, batch_size=16)),
+    (convnet, dict(channels=4, epochs=2, batch_size=32)),
 ])
 def test_workers_give_the_run_workers_0_gives_and_resume_mid_epoch_with_any_workers(module, options, tmp_path):
     want = finished(module.build(**options).start())
