@@ -56,12 +56,11 @@ def cmd_run(args) -> int:
     check_checkpoint_path(args.checkpoint)
     refuse_to_overwrite(args.checkpoint, args.force)
     check_output(args.output)
-    if args.data is not None:  # an option like the others, so that it is recorded with them
-        args.set.append(f"data={str(Path(args.data).resolve())!r}")
+    values = {"data": str(Path(args.data).resolve())} if args.data is not None else {}  # recorded as given
     module = load_module(args.target)
     threads = args.threads if args.threads is not None else getattr(module, "THREADS", None)
     set_threads(threads)
-    module, program = build_program(args.target, args.set)
+    module, program = build_program(args.target, args.set, values)
     drv = program.start()
     if args.threads is not None:  # instead of what the program declares (with_process_settings)
         drv.resume_with(settings={"torch.threads": args.threads})
@@ -70,7 +69,7 @@ def cmd_run(args) -> int:
     target = args.target
     if target.endswith(".py") or os.sep in target or "/" in target:
         target = str(Path(target).resolve())  # so that `flowvm resume` finds it from any directory
-    meta = {"target": target, "module": module.__name__, "sets": list(args.set),
+    meta = {"target": target, "module": module.__name__, "sets": list(args.set), **values,
             "show": list(getattr(module, "SHOW", [])), "threads": threads,
             "every": args.every, "every_seconds": args.every_seconds}
     meta = outputs.record(args, meta)

@@ -38,11 +38,13 @@ def cmd_resume_state(args) -> int:
     if args.program is not None and (target.endswith(".py") or os.sep in target or "/" in target):
         target = str(Path(target).resolve())  # as run records it: found again from any directory
     sets = (list(meta.get("sets", [])) if args.program is None else []) + list(args.set)
-    module, program = build_program(target, sets)
+    values = {"data": meta["data"]} if args.program is None and type(meta.get("data")) is str else {}
+    meta.pop("data", None)
+    module, program = build_program(target, sets, values)
     set_threads(args.threads)
     if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
         args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
-    meta.update(target=target, module=module.__name__, sets=sets, every=args.every, every_seconds=args.every_seconds,
+    meta.update(target=target, module=module.__name__, sets=sets, **values, every=args.every, every_seconds=args.every_seconds,
                 show=list(getattr(module, "SHOW", meta.get("show", []))))
     classes = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
     drv = state.load_state(args.path, program, key=key, restore_settings=not args.keep_settings,
@@ -60,7 +62,8 @@ def cmd_resume_state(args) -> int:
 
 def _title(path, header: dict, what: str) -> str:
     meta = header.get("meta") or {}
-    run = f" {meta['target']}" + "".join(f" --set {s}" for s in meta.get("sets", [])) + "," \
+    data = f" --data {meta['data']}" if type(meta.get("data")) is str else ""
+    run = f" {meta['target']}{data}" + "".join(f" --set {s}" for s in meta.get("sets", [])) + "," \
         if meta.get("target") else ""
     return (f"# {path}:{run} {what}written by flowvm {header.get('flowvm')} (Python {header.get('python')}) "
             f"at {header.get('created')}")

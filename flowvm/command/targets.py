@@ -80,6 +80,39 @@ def _bundled_path(stem: str) -> Path | None:
     return Path(spec.origin).resolve() if spec is not None and spec.origin else None
 
 
+def _options(build) -> tuple[dict, bool]:
+    """build()'s options by name, and whether it takes any other (``build(**options)``)."""
+    every = inspect.signature(build).parameters
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = {n: p for n, p in every.items() if p.kind in kinds}
+    return params, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in every.values())
+
+
+def _check_name(name: str, params: dict, takes_any: bool) -> None:
+    if name not in params and not takes_any:
+        raise SystemExit(f"flowvm: the program has no option {name!r}; options: {', '.join(params) or 'none'}")
+
+
+def _as_option(name: str, text: str, default: Any) -> Any:
+    """The --set value text (a Python literal, else a string) for an option of this default."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise SystemExit(f"flowvm: option {name!r} is True or False, got {text!r}")
+    elif isinstance(default, int) and (isinstance(value, bool) or not isinstance(value, int)):
+        raise SystemExit(f"flowvm: option {name!r} takes an int (default {default}), got {text!r}")
+    elif isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SystemExit(f"flowvm: option {name!r} takes a number (default {default}), got {text!r}")
+        value = float(value)
+    elif isinstance(default, str):
+        value = value if isinstance(value, str) else text  # 'adam' (a quoted literal) or adam
+    return value
+
+
 def parse_sets(pairs: list[str], build) -> dict[str, Any]:
     """``name=value`` pairs as build() options; values are Python literals, else strings.
 
@@ -87,10 +120,7 @@ def parse_sets(pairs: list[str], build) -> dict[str, Any]:
     float option an int or a float, a str option any text (quoted or not:
     ``optimizer=sgd`` and ``optimizer="'sgd'"`` are the same).
     """
-    every = inspect.signature(build).parameters
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    params = {n: p for n, p in every.items() if p.kind in kinds}  # the options, by name
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in every.values())  # build(**options)
+    params, takes_any = _options(build)
     options = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
@@ -98,40 +128,30 @@ def parse_sets(pairs: list[str], build) -> dict[str, Any]:
             raise SystemExit(f"flowvm: --set expects name=value, got {pair!r}")
         if not name.isidentifier():
             raise SystemExit(f"flowvm: --set expects name=value with a Python name, got {pair!r}")
-        if name not in params and not takes_any:
-            raise SystemExit(f"flowvm: the program has no option {name!r}; options: {', '.join(params) or 'none'}")
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
+        _check_name(name, params, takes_any)
         default = params[name].default if name in params else None  # through **options: taken as written
-        if isinstance(default, bool):
-            if not isinstance(value, bool):
-                raise SystemExit(f"flowvm: option {name!r} is True or False, got {text!r}")
-        elif isinstance(default, int) and (isinstance(value, bool) or not isinstance(value, int)):
-            raise SystemExit(f"flowvm: option {name!r} takes an int (default {default}), got {text!r}")
-        elif isinstance(default, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise SystemExit(f"flowvm: option {name!r} takes a number (default {default}), got {text!r}")
-            value = float(value)
-        elif isinstance(default, str):
-            value = value if isinstance(value, str) else text  # 'adam' (a quoted literal) or adam
-        options[name] = value
+        options[name] = _as_option(name, text, default)
     return options
 
 
-def build_program(target: str, sets: list[str]):
+def build_program(target: str, sets: list[str], values: dict[str, Any] | None = None):
+    """The program module of target and the program its build() makes with the --set options and values
+    (options given as values, such as --data's path: passed as they are, never parsed)."""
     module = load_module(target)
     if not callable(getattr(module, "build", None)):
         raise SystemExit(f"flowvm: {module.__name__} has no build() function")
     options = parse_sets(sets, module.build)
+    params, takes_any = _options(module.build)
+    for name, value in (values or {}).items():
+        _check_name(name, params, takes_any)
+        options[name] = value
     try:
         program = module.build(**options)
     except DataError as err:  # the user's data, refused: flowvm's own error (status 2), the data named
         raise DataError(f"{_program_name(target, module)}: {err}") from None
     except (TypeError, ValueError) as err:
-        given = " ".join(f"--set {s}" for s in sets) or "its defaults"
-        raise SystemExit(f"flowvm: {_program_name(target, module)}: build() rejected {given}: "
+        given = " ".join([f"--set {s}" for s in sets] + [f"--{k} {v}" for k, v in (values or {}).items()])
+        raise SystemExit(f"flowvm: {_program_name(target, module)}: build() rejected {given or 'its defaults'}: "
                          f"{type(err).__name__}: {err}") from err
     if not isinstance(program, Element):
         where = getattr(module, "__file__", None) or module.__name__

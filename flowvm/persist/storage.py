@@ -204,7 +204,7 @@ def _reading_errors(target: Any) -> Iterator[None]:
     """A local file that cannot be read: a CheckpointError saying why."""
     try:
         yield
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the latter: a path through a file (run.ckpt/x)
         raise CheckpointError(target, "no such file") from None
     except IsADirectoryError:
         raise CheckpointError(target, "is a directory, not a checkpoint file") from None

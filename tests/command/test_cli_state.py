@@ -215,3 +215,43 @@ def test_a_second_run_on_a_checkpoint_in_use_is_refused_naming_the_first(tmp_pat
     assert f"in use: process {os.getpid()} on " in capsys.readouterr().err
     assert not ckpt.exists()
     assert cli.main(["run", "pca", *SETS, "--checkpoint", str(ckpt), "--progress", "none"]) == 0
+
+
+def test_data_is_recorded_as_a_value_and_the_resumed_run_reads_it(tmp_path):
+    import numpy as np
+    from safetensors import safe_open
+
+    data = tmp_path / "it's my data.npy"  # a quote and a space: a path, never parsed as a literal
+    np.save(data, np.random.default_rng(0).normal(size=(80, 6)))
+    ckpt = tmp_path / "run.safetensors"
+    flowvm_cmd("run", "pca", "--data", data, "--set", "components=2", "--checkpoint", ckpt, "--max-steps", "3",
+               "--progress", "none", cwd=tmp_path)
+    with safe_open(str(ckpt), framework="np") as f:
+        meta = json.loads(f.metadata()["flowvm.header"])["meta"]
+    assert meta["data"] == str(data.resolve()) and meta["sets"] == ["components=2"]
+    shown = flowvm_cmd("show", ckpt, cwd=tmp_path).stdout
+    assert f" pca --data {data.resolve()} --set components=2," in shown.splitlines()[0]
+    flowvm_cmd("resume", ckpt, "--max-steps", "2", "--progress", "none", cwd=tmp_path)
+    with safe_open(str(ckpt), framework="np") as f:
+        again = json.loads(f.metadata()["flowvm.header"])
+    assert again["meta"]["data"] == str(data.resolve()) and again["meta"]["sets"] == ["components=2"]
+    assert again["steps"] == 5
+    flowvm_cmd("resume", ckpt, "--output", tmp_path / "pca.npz", "--progress", "none", cwd=tmp_path)
+    straight = pca.build(data=str(data), components=2).start()
+    straight.run()
+    assert np.allclose(np.load(tmp_path / "pca.npz")["components_"], pca.model(straight.registers).components_)
+
+
+def test_a_file_recording_data_among_its_sets_resumes(tmp_path):
+    import numpy as np
+
+    data = tmp_path / "x.npy"
+    np.save(data, np.random.default_rng(1).normal(size=(40, 4)))
+    ckpt = tmp_path / "old.safetensors"
+    flowvm_cmd("run", "pca", "--set", f"data={str(data)!r}", "--checkpoint", ckpt, "--max-steps", "2",
+               "--progress", "none", cwd=tmp_path)  # as flowvm 0.3 recorded --data
+    done = flowvm_cmd("resume", ckpt, "--progress", "none", cwd=tmp_path)
+    assert done.returncode == 0
+    from flowvm.persist.state import read_state_header
+
+    assert read_state_header(ckpt)["meta"]["sets"] == [f"data={str(data)!r}"]

@@ -431,3 +431,11 @@ def test_the_command_checks_a_url_before_running(s3, tmp_path):
     assert f"paused at step 5; continue with `flowvm resume {url}`" in out.stdout
     flowvm_cmd("resume", url, "--progress", "none")
     assert not diff(straight_pca(), saved(url))
+
+
+def test_a_path_through_a_file_is_no_such_file(tmp_path):
+    run = tmp_path / "run.ckpt"
+    run.write_bytes(b"x")
+    assert storage.read_start(run / "manifest.json", 1, missing_ok=True) is None
+    with pytest.raises(flowvm.CheckpointError, match="no such file"):
+        flowvm.load(run / "inside.ckpt")
