@@ -40,6 +40,7 @@ import sys
 import types
 from typing import Any, Callable
 
+from . import internals
 from .checks import torch_code
 
 # what a kind checks before each call, given the source's value ``v`` and what the parent recorded ``o``
@@ -222,48 +223,24 @@ def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
     """In the child: dynamo's guards of ``head(*inputs)`` (its modules as unpickled here), as
     ``{"guards": [[kind, source, description, extra]...], "imports": {global name: module name},
     "classes": {the user's class.method: its code}}`` (raises Untraceable)."""
-    import torch
-    from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
-
     roots: list = [head] + [v for v in head.__globals__.values() if callable(v)]
     for module in modules:
         for sub in module.modules():
             roots.append(type(sub))
             roots.extend(v for v in vars(sub).values() if callable(v))
-    stand_ins = _by_value_globals(roots)
+    by_value = _by_value_globals(roots)
     own = set(head.__globals__)  # dynamo adds the modules it reads through to them
-    saved = {name: sys.modules.get(name) for name in stand_ins}
-    entries: list = []
-    found: dict[str, Any] = {}
-
-    def keep(given):
-        entries.extend(given)
-        return [True] * len(given)
-
-    def backend(gm, example_inputs):
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        output = InstructionTranslator.current_tx().output
-        effects = output.side_effects
-        found["changed"] = [v for v in effects.id_to_variable.values()
-                            if not isinstance(v.mutation_type, (AttributeMutationNew, ValueMutationNew))
-                            and effects.is_modified(v)]
-        found["globals"] = dict(output.global_scope)
-        return gm.forward
-
+    saved = {name: sys.modules.get(name) for name in by_value}
     made: dict[str, Any] = {}
     try:
-        for name, g in stand_ins.items():  # dynamo reads a by-value function's globals through its module
+        for name, g in by_value.items():  # torch 2.13 reads a by-value function's globals through its module
             stand_in = types.ModuleType(name)
             if saved[name] is not None and name != "__main__":  # imported here too, for code pickled by reference
                 stand_in.__dict__.update(vars(saved[name]))
             stand_in.__dict__.update(g)
             sys.modules[name] = made[name] = stand_in
-        torch._dynamo.reset()
-        traced = torch._dynamo.optimize(backend, nopython=True, guard_filter_fn=keep)(head)
-        try:  # an LSTM is torch's own code, compiled by AOTAutograd as in the steps with modules only
-            with torch.set_grad_enabled(grad), torch._dynamo.config.patch(allow_rnn=True):
-                traced(*inputs)
+        try:
+            seen = internals.dynamo_trace(head, inputs, grad)
         except Exception as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise Untraceable(f"dynamo cannot trace it as one graph ({first})") from None
@@ -273,64 +250,91 @@ def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
-        torch._dynamo.reset()
-    if found.get("changed"):
-        raise Untraceable(f"it changes objects of the program ({found['changed'][0]})")
+    if seen.changed:
+        raise Untraceable(f"it changes objects of the program ({seen.changed[0]})")
+    extra = {name: value for name, value in seen.scope.items() if name not in own}
+    imports = _imports(extra)
+    state = {id(t) for module in modules for t in (*module.parameters(), *module.buffers())}
+    guards = [g for g in (_guard(e, state) for e in seen.guards) if g is not None]
+    _same_in_both(head, guards, _by_value_scopes(extra, made, saved, by_value))
+    named = [type(e.value) for e in seen.guards if e.kind == "TYPE_MATCH" and e.has_value]
+    return {"guards": guards, "imports": imports, "classes": _classes(_user_classes(modules, named))}
+
+
+_GLOBALS_OF = "globals of "  # an import that is a module's globals dict (torch >= 2.14 names them so)
+
+
+def _imports(extra: dict[str, Any]) -> dict[str, str]:
+    """What each global dynamo added to the step's (the modules it read code through, a function's globals)
+    is, by a name the parent resolves in its own process."""
     imports: dict[str, str] = {}
-    for name, value in found.get("globals", {}).items():
-        if name in own:
-            continue
+    for name, value in extra.items():
         if isinstance(value, types.ModuleType):
             imports[name] = value.__name__
         elif value is vars(builtins):
             imports[name] = "builtins.__dict__"
-    state = {id(t) for module in modules for t in (*module.parameters(), *module.buffers())}
-    guards = []
-    for e in entries:
-        kind, source = e.guard_type, e.orig_guard.name
-        if kind == "TENSOR_MATCH" and not source.startswith("L["):
-            if id(e.value) not in state:
-                raise Untraceable(f"a tensor constant: {source} is not a parameter, buffer or input of the step "
-                                  "(the package would hold its values)")
-            if not _STATE.fullmatch(source):  # a parameter reached through a global: the same one at each call
-                guards.append(["ID_MATCH", source, describe("ID_MATCH", e.value), None])
-            continue
-        if e.has_value and isinstance(e.value, os._Environ):
-            raise Untraceable(f"it reads environment variables ({source}), which dynamo's guards do not check")
-        if kind in _SKIPPED or not source:
-            continue  # tensors; the grad mode and torch's global settings (checked or sent as settings)
-        if kind not in _CHECKS:
-            raise Untraceable(f"a guard of a kind not checked here ({kind} on {source})")
-        names = {n.id for n in ast.walk(ast.parse(source, mode="eval")) if isinstance(n, ast.Name)}
-        if not names <= _NAMES:
-            raise Untraceable(f"a guard on something not global ({kind} on {source})")
-        keywords = getattr(e.orig_guard.create_fn, "keywords", None) or {}
-        extra = keywords.get("attr", keywords.get("key"))
-        if kind == "DUPLICATE_INPUT":
-            extra = keywords["source_b"].name
-        if not (extra is None or type(extra) in (str, int, float, bool)):
-            raise Untraceable(f"a guard on a key that is not a plain value ({kind} on {source})")
-        if not e.has_value:
-            raise Untraceable(f"a guard whose value dynamo could not read ({kind} on {source})")
-        guards.append([kind, source, describe(kind, e.value, extra), extra])
-    _same_in_both(head, guards, made, saved)
-    named = [type(e.value) for e in entries if e.guard_type == "TYPE_MATCH" and e.has_value]
-    return {"guards": guards, "imports": imports, "classes": _classes(_user_classes(modules, named))}
+        elif internals.is_globals_scope(name):
+            module = value.get("__name__") if isinstance(value, dict) else None
+            if not isinstance(module, str):
+                raise Untraceable(f"it reads the globals of code that is not a module's ({name})")
+            imports[name] = _GLOBALS_OF + module
+    return imports
 
 
-def _same_in_both(head: Callable, guards: list, made: dict[str, Any], saved: dict[str, Any]) -> None:
+def _by_value_scopes(extra: dict[str, Any], made: dict[str, Any], saved: dict[str, Any],
+                     by_value: dict[str, dict]) -> dict[str, Any]:
+    """The globals of the step (by their names in ``G``) through which it read code of a module that is
+    also imported here, pickled by value (a stand-in module on torch 2.13, the function's own globals on
+    2.14), each with the module as imported here."""
+    real = {name for name in made if saved[name] is not None and name != "__main__"}
+    found: dict[str, Any] = {}
+    for key, value in extra.items():
+        if isinstance(value, types.ModuleType) and value.__name__ in real and value is made[value.__name__]:
+            found[key] = saved[value.__name__]
+        elif internals.is_globals_scope(key) and isinstance(value, dict):
+            name = value.get("__name__")
+            if name in real and value is not vars(saved[name]):
+                found[key] = vars(saved[name])
+    return found
+
+
+def _guard(e: Any, state: set[int]) -> list | None:
+    """One of dynamo's guards as ``[kind, source, description, extra]`` for the parent (None: checked
+    elsewhere or not at all); raises Untraceable for one the parent cannot check."""
+    kind, source = e.kind, e.source
+    if kind == "TENSOR_MATCH" and not source.startswith("L["):
+        if id(e.value) not in state:
+            raise Untraceable(f"a tensor constant: {source} is not a parameter, buffer or input of the step "
+                              "(the package would hold its values)")
+        if not _STATE.fullmatch(source):  # a parameter reached through a global: the same one at each call
+            return ["ID_MATCH", source, describe("ID_MATCH", e.value), None]
+        return None
+    if e.has_value and isinstance(e.value, os._Environ):
+        raise Untraceable(f"it reads environment variables ({source}), which dynamo's guards do not check")
+    if kind in _SKIPPED or not source:
+        return None  # tensors; the grad mode and torch's global settings (checked or sent as settings)
+    if kind not in _CHECKS:
+        raise Untraceable(f"a guard of a kind not checked here ({kind} on {source})")
+    names = {n.id for n in ast.walk(ast.parse(source, mode="eval")) if isinstance(n, ast.Name)}
+    if not names <= _NAMES:
+        raise Untraceable(f"a guard on something not global ({kind} on {source})")
+    extra = e.keywords.get("attr", e.keywords.get("key"))
+    if kind == "DUPLICATE_INPUT":
+        extra = e.keywords["source_b"].name
+    if not (extra is None or type(extra) in (str, int, float, bool)):
+        raise Untraceable(f"a guard on a key that is not a plain value ({kind} on {source})")
+    if not e.has_value:
+        raise Untraceable(f"a guard whose value dynamo could not read ({kind} on {source})")
+    return [kind, source, describe(kind, e.value, extra), extra]
+
+
+def _same_in_both(head: Callable, guards: list, swapped: dict[str, Any]) -> None:
     """A module whose code is partly pickled by value (a lambda of it, with the program's values of its
     globals) and partly imported here (its classes, with the values of its import): each guard read through
     it must describe alike in both, or the package would compute with values the guards do not name."""
-    real = {name: saved[name] for name in made if saved[name] is not None and name != "__main__"}
-    if not real:
-        return
-    scope = dict(head.__globals__)
-    swapped = {key for key, value in scope.items() if any(value is made[name] for name in real)}
     if not swapped:
         return
-    for key in swapped:
-        scope[key] = real[scope[key].__name__]
+    scope = dict(head.__globals__, **swapped)
     for kind, source, want, extra in guards:
         if not any(f"G[{key!r}]" in source for key in swapped):
             continue
@@ -369,6 +373,8 @@ def _scope(head: Callable, imports: dict[str, str]) -> dict:
     for name, module in imports.items():
         if module == "builtins.__dict__":
             scope[name] = vars(builtins)
+        elif module.startswith(_GLOBALS_OF) and module[len(_GLOBALS_OF):] in sys.modules:
+            scope[name] = vars(sys.modules[module[len(_GLOBALS_OF):]])
         elif module in sys.modules:
             scope[name] = sys.modules[module]
         else:

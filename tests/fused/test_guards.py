@@ -482,3 +482,21 @@ def test_code_reading_environment_variables_is_left_to_the_thread():
     p, reg = planned(Environment())
     with pytest.raises(guards.Untraceable, match="environment variables"):  # dynamo's guards miss them
         guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True)
+
+
+def test_a_guard_read_through_a_functions_globals_is_checked_against_its_modules_globals_here(monkeypatch):
+    """torch 2.14 names the globals of code it inlines, when they are not those of a module imported in the
+    child (code pickled by value), by an id of the child's (``___unnamed_scope_<id>_c0``): here they are the
+    globals of the module of that name."""
+    p, _ = planned(Net())
+    name = "___unnamed_scope_1234_c0"
+    imports = guards._imports({name: {"__name__": __name__, "SCALE": 2.0}})
+    assert imports == {name: "globals of " + __name__}
+    traced = {"guards": [["CONSTANT_MATCH", f"G[{name!r}]['SCALE']", guards.describe("CONSTANT_MATCH", 2.0), None]],
+              "imports": imports, "classes": {}}
+    holds = guards.check(p.head, p.modules, traced)
+    assert holds()
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
+    assert not holds()
+    with pytest.raises(guards.Untraceable, match="not a module's"):
+        guards._imports({name: {"SCALE": 2.0}})
