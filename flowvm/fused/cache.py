@@ -2,7 +2,8 @@
 second run of a program, or a resumed run on any machine sharing the cache, starts with its steps compiled.
 
 An entry is a directory named by the job's key, holding the files the child wrote (``step.pt2``, or
-``forward.pt2``, ``backward.pt2`` and ``meta.json``).  The key (``key``) hashes the job's pickle (the
+``forward.pt2``, ``backward.pt2`` and ``meta.json``), and once a run has timed the package against eager,
+``decision.json``: which form was faster, so that later runs take it from their first execution.  The key (``key``) hashes the job's pickle (the
 generated step's code and constants, its inputs' layouts, the modules' structure with stand-in tensors, the
 compiler's options and the torch settings) with what the package's code depends on besides: flowvm's,
 torch's and python's versions, the machine's architecture and the CPU capability torch compiles for.
@@ -17,6 +18,7 @@ torch's and python's versions, the machine's architecture and the CPU capability
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import re
@@ -28,6 +30,7 @@ import time
 FORMAT = 1                      # the entries' layout; a change makes every older entry a miss
 MAX_BYTES = 2 * 1024 ** 3
 TEMP_PREFIX = ".tmp-"
+DECISION = "decision.json"      # what a run measured of the entry's package (see note)
 HINTS = ".hints"                # empty files named by the hints of the steps stored (see may_hold)
 _OFF = {"", "off", "0", "none", "false", "no"}
 
@@ -101,6 +104,34 @@ def lookup(k: str) -> str | None:
     except OSError:
         return None
     return path
+
+
+def note(k: str, decision: dict) -> None:
+    """Keep with entry k what a run measured of its package (``DECISION``: whether it ran faster than eager,
+    the two times per execution), so that the next run takes the faster form at once (errors pass: the cache
+    is an optimization)."""
+    where = root()
+    if where is None or not os.path.isdir(os.path.join(where, k)):
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=os.path.join(where, k))
+        with os.fdopen(fd, "w") as f:
+            json.dump(decision, f)
+        os.replace(tmp, os.path.join(where, k, DECISION))
+    except OSError:
+        pass
+
+
+def decision(path: str) -> dict | None:
+    """What a run measured of the package in this entry's directory (see ``note``), or None."""
+    try:
+        with open(os.path.join(path, DECISION)) as f:
+            got = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(got, dict) and isinstance(got.get("compiled"), bool) and all(
+        isinstance(got.get(n), (int, float)) and got[n] >= 0 for n in ("compiled_s", "eager_s", "periods"))
+    return got if ok else None
 
 
 def store(k: str, workdir: str, names: list[str]) -> str | None:

@@ -63,6 +63,9 @@ def generate(el) -> "Generated":
     # named by its source, so that the same calls give the same function (and pickle) in every process
     filename = f"<flowvm FUSED {hashlib.sha1(source.encode()).hexdigest()[:16]}>"
     exec(compile(source, filename, "exec"), ns)
+    for name in ("fused", "head", "tail"):  # a module name of their own: a pickler looking for the module
+        if name in ns:                       # of a function with none searches every module imported
+            ns[name].__module__ = filename
     names = [r.name for r in el.inputs]
     positions = None if head_inputs == names else tuple(names.index(n) for n in head_inputs)
     if split == len(calls):

@@ -96,6 +96,7 @@ class Runtime:
         self._job_pid: int | None = None   # the process whose child compiles the step (_out_of_process)
         self.cached = False                # the package came from the persistent cache (flowvm/fused/cache.py)
         self._cache_key: str | None = None  # the package's entry there (evicted if it fails)
+        self._known: dict | None = None     # what an earlier run measured of the cached package (_adopt)
         self._tries = 0                    # compiles started again for lack of resources (_later)
         self._retry_at = 0.0               # time.monotonic() before which none starts again
         self.current: Callable = self.eager if self.state == "eager" else self._first
@@ -197,6 +198,8 @@ class Runtime:
             self.current = self._check_failure
         elif self.settings.form == "compiled":
             self.state, self.current, self.decision = "compiled", self._compiled_call, "forced"
+        elif self._known is not None:
+            self._adopt(self._known)
         else:
             self.state, self.current = "trial", self._trial
         return self.current
@@ -325,6 +328,24 @@ class Runtime:
         self._executions = 0
         self._recheck_at = RECHECK_FACTOR * (len(eager) + len(compiled)) * 10 ** self.trials_done
         self.current = self._steady if self.trials_done <= MAX_RECHECKS else self._chosen
+        if self._cache_key is not None:  # the next run takes the faster form at once (_adopt)
+            cache.note(self._cache_key, {"compiled": self.state == "compiled", "compiled_s": mc, "eager_s": me,
+                                         "periods": len(eager) + len(compiled)})
+
+    def _adopt(self, known: dict) -> None:
+        """Take the form an earlier run measured faster with this cached package, from the first execution
+        (no trial); it is measured again, as a decision made here is, after a hundred times as many
+        executions as that run timed."""
+        compiled = known["compiled"]
+        self.measured = (known["compiled_s"], known["eager_s"])
+        timing = f"compiled {_us(known['compiled_s'])} vs eager {_us(known['eager_s'])} per execution"
+        self.decision = f"{'compiled' if compiled else 'eager'}, measured {timing} (by an earlier run)"
+        self._chosen = self._compiled_call if compiled else self.eager
+        self.state = "compiled" if compiled else "eager"
+        self.trials_done = 2
+        self._executions = 0
+        self._recheck_at = RECHECK_FACTOR * max(int(known["periods"]), 2 * self.settings.trials) * 10 ** 2
+        self.current = self._steady
 
     def _steady(self, *args):
         self._executions += 1
@@ -524,6 +545,7 @@ class Runtime:
         self.compiles += 1
         self._direct = (job.layouts, run, run, job.reads)
         self._verify, self._cache_key, self.cached = True, job.key, True
+        self._known = cache.decision(path)
         return True
 
     def _from_cache(self, args) -> bool:

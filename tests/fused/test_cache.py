@@ -231,3 +231,60 @@ def test_a_step_the_cache_never_stored_is_not_pickled_for_a_lookup(cache_dir, mo
     again = fuse_torch(prog)
     again.run()
     assert described == [1]  # a hint the cache saw: the step is pickled for its key (not there: a miss)
+
+
+def _stored(cache_dir, monkeypatch, prog, reg, decision=None):
+    """The chain's entry in the cache as a run that compiled it leaves it (its package: the head itself),
+    with what that run measured, if it did."""
+    fast = fuse_torch(prog)
+    rt = fast.body.runtime()
+    key = jobs.describe(rt.el, rt.generated, rt.settings.options, (reg["x"],)).key
+    (cache_dir / key).mkdir(parents=True)
+    cache.add_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)))
+    (cache_dir / key / outofprocess.PACKAGE).write_bytes(b"a package")
+    head = rt.generated.head
+    monkeypatch.setattr(outofprocess, "load_plain", lambda path: lambda inputs: list(head(*inputs)))
+    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: False)  # the thread's compile: not here
+    if decision is not None:
+        cache.note(key, decision)
+    return fast, rt, cache_dir / key
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_warm_start_takes_the_form_an_earlier_run_measured_faster_from_the_first_execution(
+        cache_dir, monkeypatch, compiled):
+    prog, reg = _chain(40)
+    measured = {"compiled": compiled, "compiled_s": 8e-6, "eager_s": 12e-6, "periods": 300}
+    fast, rt, _ = _stored(cache_dir, monkeypatch, prog, reg, measured)
+    fast.run()
+    assert rt.cached and rt.periods == {"eager": [], "compiled": []}  # no trial
+    assert rt.state == ("compiled" if compiled else "eager") and rt.hits == (40 if compiled else 0)
+    assert "measured compiled 8.0 µs vs eager 12.0 µs per execution (by an earlier run)" in fast.body.header_text()
+    assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
+
+
+def test_a_run_that_timed_a_cached_package_keeps_what_it_measured_with_the_entry(cache_dir, monkeypatch):
+    prog, reg = _chain(4000)
+    fast, rt, entry = _stored(cache_dir, monkeypatch, prog, reg)
+    assert cache.decision(str(entry)) is None
+    fast.run()
+    got = cache.decision(str(entry))
+    assert rt.measured is not None and got is not None, rt.status()
+    assert got["compiled"] is (rt.state == "compiled") and (got["compiled_s"], got["eager_s"]) == rt.measured
+    (entry / cache.DECISION).write_text("{not json")  # a damaged note is no decision
+    assert cache.decision(str(entry)) is None
+
+
+def test_pickling_a_step_for_its_key_does_not_search_the_modules_for_its_generated_function(monkeypatch):
+    """A function with no module makes cloudpickle look through every imported module for it (milliseconds
+    at a warm start's first execution); the generated functions name one of their own."""
+    import cloudpickle.cloudpickle as cp
+
+    searched = []
+    real = cp._whichmodule
+    monkeypatch.setattr(cp, "_whichmodule", lambda obj, name: (
+        searched.append(name) if getattr(obj, "__module__", None) is None else None) or real(obj, name))
+    prog, reg = _chain()
+    rt = fuse_torch(prog).body.runtime()
+    outofprocess.job_payload(rt.generated.head, (reg["x"],), {})
+    assert searched == []
