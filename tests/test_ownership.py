@@ -5,6 +5,7 @@ name of one module is not imported by another.  Checked on the source of the ins
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import flowvm
@@ -27,20 +28,33 @@ KNOWN_PRIVATE_IMPORTS = {
 }
 
 
+def driver_classes() -> list[type]:
+    """Driver and its base classes of flowvm's own (the machine's Engine, RunStateAccess, ...)."""
+    return [Driver] + [c for c in Driver.__mro__[1:] if c.__module__.startswith("flowvm.")]
+
+
+def source_of(cls: type) -> Path:
+    if cls is Driver:  # (its __module__ is "flowvm", the name it pickles by)
+        return ROOT / "machine" / "driver.py"
+    return Path(sys.modules[cls.__module__].__file__)
+
+
 def driver_private_names() -> set[str]:
     """Every underscore name of the Driver: its methods and class attributes, and the fields its methods set
-    or read on self."""
-    names = {n for n in vars(Driver) if n.startswith("_") and not n.startswith("__")}
-    module = ast.parse((ROOT / "machine" / "driver.py").read_text())
-    tree = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == "Driver")
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
-                and node.attr.startswith("_") and not node.attr.startswith("__"):
-            names.add(node.attr)
-    for node in ast.walk(tree):  # fields kept in __dict__ by name ("_live")
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_") \
-                and node.value.isidentifier() and not node.value.startswith("__"):
-            names.add(node.value)
+    or read on self, in Driver and in each of its flowvm base classes."""
+    names = set()
+    for cls in driver_classes():
+        names |= {n for n in vars(cls) if n.startswith("_") and not n.startswith("__")}
+        module = ast.parse(source_of(cls).read_text())
+        tree = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                names.add(node.attr)
+        for node in ast.walk(tree):  # fields kept in __dict__ by name ("_live")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_") \
+                    and node.value.isidentifier() and not node.value.startswith("__"):
+                names.add(node.value)
     return names
 
 
@@ -70,6 +84,8 @@ def driver_field_uses(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
 def test_the_rule_sees_the_driver_fields():
     names = driver_private_names()
     assert {"_stack", "_carry", "_ready", "_fresh", "_watch", "_resume", "_live", "_prepare"} <= names
+    assert {"_apply_resume", "_after_leaf", "_running_error", "_resume_for_copy"} <= names  # in its base classes
+    assert len(driver_classes()) > 2
     bad = ast.parse("drv._stack[:] = x\nn = drv.__dict__.get('_live')\nself._stack = []\nother.steps\n")
     assert sorted(line for line, _ in driver_field_uses(bad, names)) == [1, 2]
 

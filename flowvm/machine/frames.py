@@ -1,125 +1,31 @@
-"""Frames: the run state of each active element, the one module that knows their layout, and the moves
-through them (entering and leaving each element kind, settling to the next leaf, WEAVE turns).
-
-A frame is a list whose item 0 is the element; the rest are that element's counters.  Lists keep a run
-plain data (it pickles, copies and compares as such) and cheap to step.  A frame of length 1 is
-*unstarted* for a container and *ready* for a leaf.  A driver's ``_stack`` holds the frames of the active
-elements, outermost first; a WEAVE frame holds the frames of its paused children as *segments*, and its
-active child's frames sit on the stack above it.  Every other module reads frames through this one:
-``walk`` (every frame of a run, paused ones included), ``child_index``, ``comment`` and the named slots.
-
-Layouts (slot 0 is always the element)::
-
-    SEQ     [el, pos]
-    REPEAT  [el, i, n, last]
-    BUFFER  [el, i, n, values]
-    LOOP    [el, steps_at_iteration_start, iterations]
-    WHILE   [el, phase (0: condition, 1: body), last, iterations]
-    SWITCH  [el, child_index]
-    WEAVE   [el, active, segments, finished, values, credits, n_finished, rotate_due]
-
-A move that failed twice appends a marker past these slots (see ``_failed_again``).
-
-The moves: ``START[kind](drv, frame)`` enters a container, ``NEXT[kind](drv, frame, value)`` takes the
-value of its finished child.  Each returns ``PUSHED`` after pushing the next child's frame, or the
-container's own value when it is finished.  (The moves, here beside the layouts, index frames by number:
-they run on every step of the general path.  Every other module uses the named slots below.)
+"""Frames: the moves through each container kind, and settling, over the layouts of slots.py (whose names
+this module re-exports: import frames' names from here).  ``START[kind](drv, frame)`` enters a container,
+``NEXT[kind](drv, frame, value)`` takes the value of its finished child.  Each returns ``PUSHED`` after
+pushing the next child's frame (``push``), or the container's own value when it is finished.  ``settle``
+hands finished values up and descends to the next leaf.  A kind written outside flowvm registers its moves
+with ``register_container`` (docs/containers.md).  The layouts of the frames these moves write are in
+slots.py; the moves index them by number, as they run on every step of the general path.  With slots.py
+this module is the one writer of frames (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import numbers
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from ..program.elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
 from ..base.errors import FlowError, RegisterError, SwitchError
+from ..base.sentinels import NOVALUE, PUSHED
+from ..program.elements import BUFFER, CALL, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
 from ..program.kinds import KindTable
 from ..program.registers import Register
-from ..base.sentinels import NOVALUE, PUSHED
-
-# the named slots
-ELEMENT = 0  # of every frame
-SEQ_POS = 1
-REPEAT_I, REPEAT_N, REPEAT_LAST = 1, 2, 3
-BUFFER_I, BUFFER_N, BUFFER_VALUES = 1, 2, 3
-LOOP_START_STEPS, LOOP_ITERATIONS = 1, 2
-WHILE_PHASE, WHILE_LAST, WHILE_ITERATIONS = 1, 2, 3
-SWITCH_CHILD = 1
-WEAVE_ACTIVE, WEAVE_SEGMENTS, WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS, WEAVE_DONE, WEAVE_ROTATE = range(1, 8)
-
-# the names of each kind's slots (after the element, in order), as the layouts above name them: state files
-# save frames by these names, so that the order of the slots is not part of their format
-SLOT_NAMES = {SEQ: ("pos",), REPEAT: ("i", "n", "last"), BUFFER: ("i", "n", "values"),
-              LOOP: ("steps_at_iteration_start", "iterations"), WHILE: ("phase", "last", "iterations"),
-              SWITCH: ("child_index",),
-              WEAVE: ("active", "segments", "finished", "values", "credits", "n_finished", "rotate_due")}
-
-
-def walk(chain: list, key: Callable[[Any], list] | None = None, path: tuple[int, ...] = (),
-         paused: bool = False) -> Iterator[tuple[tuple[int, ...], list, int, bool]]:
-    """(path, chain, index, paused) for every frame of a run: those of chain (a driver's ``_stack``),
-    outermost first, each WEAVE's paused children right after the WEAVE (recursively); ``paused`` tells
-    the frames of paused children.  ``key(item)`` gives the frame of an item of chain (default: the item
-    itself), for working copies that wrap frames."""
-    for k, item in enumerate(chain):
-        fr = item if key is None else key(item)
-        if k:
-            prev = chain[k - 1] if key is None else key(chain[k - 1])
-            path = path + (child_index(prev),)
-        yield path, chain, k, paused
-        if type(fr[0]) is WEAVE and len(fr) > 1:
-            for j, seg in enumerate(fr[WEAVE_SEGMENTS]):
-                if seg:
-                    yield from walk(seg, key, path + (j,), True)
-
-
-def comment(fr: list) -> str:
-    """The counters of a started frame, in words ("3 of 10 done"), for listings; "" for others."""
-    return COMMENT.of(fr[0])(fr) if len(fr) > 1 else ""
-
-
-def _while_comment(fr: list) -> str:
-    return f"{fr[WHILE_ITERATIONS]} iterations done" + (", testing condition" if fr[WHILE_PHASE] == 0 else "")
-
-
-def _weave_comment(fr: list) -> str:
-    return f"{fr[WEAVE_DONE]} of {fr[0].required} required finished, turn of child {fr[WEAVE_ACTIVE]}"
-
-
-COMMENT = KindTable("frame comment", lambda fr: "", {
-    REPEAT: lambda fr: f"{fr[REPEAT_I]} of {fr[REPEAT_N]} done",
-    BUFFER: lambda fr: f"{fr[BUFFER_I]} of {fr[BUFFER_N]} done",
-    LOOP: lambda fr: f"{fr[LOOP_ITERATIONS]} iterations done",
-    WHILE: _while_comment,
-    SEQ: lambda fr: f"at child {fr[SEQ_POS]} of {len(fr[0].elements)}",  # counted from 0, as paths are
-    WEAVE: _weave_comment,
-})
-"""A started frame's counters in words, by its element's kind: ``fn(frame)`` (default: none)."""
-
-
-def marks(stack: list) -> dict:
-    """Gutter marks for a listing of a run: '>>' at the next leaf, '..' where paused WEAVE children
-    resume, and each started frame's counters as a comment."""
-    out: dict = {}
-    for path, chain, k, paused in walk(stack):
-        fr = chain[k]
-        note = comment(fr)
-        if k == len(chain) - 1:
-            out[path] = (".." if paused else ">>", note or ("not started" if not fr[0].is_leaf else ""))
-        elif note and path not in out:
-            out[path] = ("", note)
-    return out
-
-
-def child_index(fr: list) -> int:
-    """Index (in ``children``) of the child a started container frame is running."""
-    kind = type(fr[0])
-    if kind is SEQ or kind is SWITCH or kind is WEAVE:
-        return fr[1]
-    if kind is WHILE:
-        return fr[1]
-    return 0
+from .slots import (ELEMENT, SEQ_POS, REPEAT_I, REPEAT_N, REPEAT_LAST, BUFFER_I, BUFFER_N, BUFFER_VALUES,
+    LOOP_START_STEPS, LOOP_ITERATIONS, WHILE_PHASE, WHILE_LAST, WHILE_ITERATIONS, SWITCH_CHILD, WEAVE_ACTIVE,
+    WEAVE_SEGMENTS, WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS, WEAVE_DONE, WEAVE_ROTATE, SLOT_NAMES, walk,
+    comment, COMMENT, marks, child_index, weave_pick, credit_weaves, rotate_weaves, pass_turn, take_turn,
+    repeat_counted, seq_moved, repeat_seq_counted, seq_finished, seq_restarted, turn_used, turn_credit,
+    set_turn_credit, end_turn, copy_frame, overwrite, set_element, seq_frame, seq_position, set_seq_position,
+    weave_drop_child)  # noqa: F401  (the frames API)
 
 
 def read_register(drv, reg: Register, what: str) -> Any:
@@ -320,22 +226,6 @@ def _next_switch(drv, fr, value):
     return value
 
 
-def weave_pick(fr: list, start: int) -> int:
-    """The child whose turn comes next, from index start on, giving each skipped child its credit."""
-    el = fr[0]
-    n = len(el.elements)
-    finished = fr[WEAVE_FINISHED]
-    credits = fr[WEAVE_CREDITS]
-    weights = el.weights
-    j = start % n
-    while True:
-        if not finished[j]:
-            credits[j] += weights[j] if weights is not None else 1
-            if credits[j] >= 1:
-                return j
-        j = (j + 1) % n
-
-
 def _start_weave(drv, fr):
     el = fr[0]
     n = len(el.elements)
@@ -379,27 +269,18 @@ def abandon(drv, fr) -> None:
                 el.abandon(drv, sub)
 
 
-class Moves(dict):
-    """A table of moves by element class.  A class without an entry takes its nearest base class's (looked up
-    along the MRO once, then kept), so a subclass of a kind moves as that kind; a class with none is a
-    FlowError naming it."""
+class Moves(KindTable):
+    """A table of moves by element class (a ``KindTable``): a class without an entry takes its nearest base
+    class's, so a subclass of a kind moves as that kind; a class with none is a FlowError naming it."""
 
-    def __init__(self, what: str, entries: dict):
-        super().__init__(entries)
-        self.what = what
-
-    def __missing__(self, cls: type) -> Callable:
-        for base in cls.__mro__[1:]:
-            if base in self:
-                move = self[cls] = dict.__getitem__(self, base)
-                return move
+    def missing(self, cls: type):
         raise FlowError(f"{getattr(cls, 'kind', cls.__name__)} is a container kind with no moves: "
                         f"register them with flowvm.machine.frames.register_container (docs/containers.md)")
 
 
-START = Moves("start", {SEQ: _start_seq, REPEAT: _start_repeat, BUFFER: _start_buffer, LOOP: _start_loop,
+START = Moves("start", None, {SEQ: _start_seq, REPEAT: _start_repeat, BUFFER: _start_buffer, LOOP: _start_loop,
                         WHILE: _start_while, SWITCH: _start_switch, WEAVE: _start_weave})
-NEXT = Moves("next", {SEQ: _next_seq, REPEAT: _next_repeat, BUFFER: _next_buffer, LOOP: _next_loop,
+NEXT = Moves("next", None, {SEQ: _next_seq, REPEAT: _next_repeat, BUFFER: _next_buffer, LOOP: _next_loop,
                       WHILE: _next_while, SWITCH: _next_switch, WEAVE: _next_weave})
 
 
@@ -414,10 +295,8 @@ def register_container(cls: type, start: Callable, next: Callable) -> type:
         raise TypeError(f"register_container: expected a container Element class, got {cls!r:.60}")
     if not (callable(start) and callable(next)):
         raise TypeError(f"register_container: start and next of {cls.__name__} must be functions")
-    for table in (START, NEXT):  # drop what subclasses took from a base before
-        for known in [k for k in table if issubclass(k, cls) and k is not cls]:
-            del table[known]
-    START[cls], NEXT[cls] = start, next
+    START.register(cls, start)
+    NEXT.register(cls, next)
     return cls
 
 
@@ -475,170 +354,3 @@ def settle(drv) -> None:
             drv._annotate(err, "finishing" if value is not novalue else "entering")
         drv._move_error = err  # for _running_error, the step's handler (a cache: never pickled)
         raise
-
-def credit_weaves(drv, weaves: list | None = None) -> None:
-    """After a leaf: every WEAVE around it counts one step of its active child's turn.  weaves: the WEAVE
-    frames on the stack, when the caller knows them (else the stack is searched)."""
-    for fr in drv._stack if weaves is None else weaves:
-        if type(fr[0]) is WEAVE:
-            credits = fr[WEAVE_CREDITS]
-            a = fr[WEAVE_ACTIVE]
-            credits[a] -= 1
-            if credits[a] < 1:
-                fr[WEAVE_ROTATE] = True
-                drv._rotate = True
-
-def rotate_weaves(drv, weaves: list | None = None) -> bool:
-    """Hand the turn to the next child in every WEAVE whose active child used up its turn, innermost first;
-    True when some WEAVE's turn passed to another child (the stack changed), False when each picked its
-    active child again (its credits counted, its frames left in place).  weaves: the WEAVE frames on the
-    stack, outermost first, when the caller knows them (else the stack is searched)."""
-    drv._rotate = False
-    stack = drv._stack
-    if weaves is None:
-        weaves = [fr for fr in stack if type(fr[0]) is WEAVE and len(fr) > 1]
-    changed = False
-    for fr in reversed(weaves):
-        if fr[WEAVE_ROTATE]:
-            fr[WEAVE_ROTATE] = False
-            a = fr[WEAVE_ACTIVE]
-            b = weave_pick(fr, a + 1)
-            if b != a:
-                pass_turn(drv, fr, b)
-                changed = True
-    return changed
-
-
-def pass_turn(drv, fr: list, b: int) -> None:
-    """The WEAVE frame fr (on the stack) hands the turn to its child b: the frames above it become the
-    active child's paused segment, and b's segment goes on the stack."""
-    stack = drv._stack
-    k = next(k for k, f in enumerate(stack) if f is fr)
-    segs = fr[WEAVE_SEGMENTS]
-    segs[fr[WEAVE_ACTIVE]] = stack[k + 1:]
-    del stack[k + 1:]
-    stack.extend(segs[b])
-    segs[b] = None
-    fr[WEAVE_ACTIVE] = b
-
-
-def take_turn(drv, weaves: list) -> bool:
-    """What settling does for the WEAVEs around a leaf after it ran, for the fast paths: each of weaves (the
-    WEAVE frames on the stack) counts one step of its active child's turn (``credit_weaves``), and those
-    whose child used up its turn pick the next (``rotate_weaves``).  True when a turn passed to another
-    child: the stack changed and the driver must settle into it."""
-    return turn_used(weaves) and rotate_weaves(drv, weaves)
-
-
-# ------------------------------------------------------------- commits of the fast paths
-# The fast paths (fastpaths.py, and the one-step forms in driver.py) count in local variables and write
-# their counts back through these, so that this module stays the one writer of frames.
-def repeat_counted(drv, fr: list, i: int, value: Any) -> None:
-    """A REPEAT frame's body finished its iteration i - 1 (counted from 0) with value: the counter (and
-    its register) say i iterations are done."""
-    fr[REPEAT_I] = i
-    fr[REPEAT_LAST] = value
-    counter = fr[ELEMENT].counter
-    if counter is not None:
-        drv.registers[counter.name] = i
-
-
-def seq_moved(stack: list, fr: list, pos: int) -> None:
-    """The SEQ frame fr, right below the leaf on top of stack, moved on to its child pos (not started)."""
-    fr[SEQ_POS] = pos
-    stack[-1] = [fr[ELEMENT].elements[pos]]
-
-
-def repeat_seq_counted(stack: list, rep: list, seq: list, i: int, value: Any, pos: int) -> None:
-    """A REPEAT frame rep of a SEQ frame seq (on top of stack, below its leaf): i iterations done, the last
-    one's value, the SEQ at child pos (the registers, the fast path wrote as it went)."""
-    rep[REPEAT_I], rep[REPEAT_LAST] = i, value
-    seq_moved(stack, seq, pos)
-
-
-def seq_finished(stack: list, seq: list) -> None:
-    """The SEQ frame seq (below the leaf on top of stack) finished: it is its REPEAT's body again, not started."""
-    del seq[1:]
-    del stack[-1]
-
-
-def seq_restarted(stack: list, seq: list) -> None:
-    """The SEQ frame seq (on top of stack, not started) enters its first child again."""
-    seq.append(0)
-    stack.append([seq[ELEMENT].elements[0]])
-
-
-def turn_used(weaves: list) -> bool:
-    """Each of weaves (WEAVE frames on the stack) counts one step of its active child's turn; True when some
-    child used its turn up (``rotate_weaves`` then picks the next)."""
-    due = False
-    for fr in weaves:
-        credits = fr[WEAVE_CREDITS]
-        a = fr[WEAVE_ACTIVE]
-        credits[a] -= 1
-        if credits[a] < 1:
-            fr[WEAVE_ROTATE] = True
-            due = True
-    return due
-
-
-def turn_credit(fr: list) -> float:
-    """The credit of a WEAVE frame's active child: the steps left in its turn, while it is >= 1."""
-    return fr[WEAVE_CREDITS][fr[WEAVE_ACTIVE]]
-
-
-def set_turn_credit(fr: list, credit: float) -> None:
-    """The active child of the WEAVE frame fr took steps of its turn (counted by a fast path): its credit."""
-    fr[WEAVE_CREDITS][fr[WEAVE_ACTIVE]] = credit
-
-
-def end_turn(fr: list, credit: float) -> int:
-    """The active child of the WEAVE frame fr used its turn up, leaving credit (< 1): the child whose turn
-    comes next (picked as ``weave_pick`` picks it, which may be the same child again)."""
-    set_turn_credit(fr, credit)
-    return weave_pick(fr, fr[WEAVE_ACTIVE] + 1)
-
-
-# ------------------------------------------------------------- hot patches' frame edits
-# flowvm.editing.hotpatch edits working copies of a driver's frames (lists of the same layouts) through
-# these, then hands the result to Driver.replace_frames.
-def copy_frame(fr: list, segment: Callable[[list], Any]) -> list:
-    """A copy of fr whose WEAVE segments (if fr is a started WEAVE) are mapped through segment."""
-    data = list(fr)
-    if type(fr[ELEMENT]) is WEAVE and len(fr) > 1:
-        data[WEAVE_SEGMENTS] = [None if seg is None else segment(seg) for seg in fr[WEAVE_SEGMENTS]]
-    return data
-
-
-def overwrite(fr: list, data: list) -> list:
-    """fr (a frame the driver holds, or a new list) made equal to data; returns fr."""
-    fr[:] = data
-    return fr
-
-
-def set_element(fr: list, el: Element) -> None:
-    """fr runs el now (an edited element of the same kind, or any element when fr has not started)."""
-    fr[ELEMENT] = el
-
-
-def seq_frame(el: Element, pos: int) -> list:
-    """A started SEQ frame at child pos (a SEQ wrapped around a running element)."""
-    return [el, pos]
-
-
-def seq_position(fr: list) -> int:
-    return fr[SEQ_POS]
-
-
-def set_seq_position(fr: list, pos: int) -> None:
-    """A started SEQ frame's running child is now child pos (siblings were inserted or removed before it)."""
-    fr[SEQ_POS] = pos
-
-
-def weave_drop_child(fr: list, index: int) -> None:
-    """A started WEAVE frame loses its child index (one waiting for its first turn): its slot in every
-    per-child list goes, and the active index follows."""
-    for slot in (WEAVE_SEGMENTS, WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS):
-        fr[slot] = fr[slot][:index] + fr[slot][index + 1:]
-    if fr[WEAVE_ACTIVE] > index:
-        fr[WEAVE_ACTIVE] -= 1
