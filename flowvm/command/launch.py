@@ -115,9 +115,12 @@ def _launch(args, nproc: int) -> int:
         stopped = {128 + signal.SIGTERM, 128 + signal.SIGINT}
         if err.exitcode in stopped:  # the ranks agreed to stop on a signal (rank 0 said so)
             return err.exitcode
-        if err.traceback:
+        if err.traceback:  # the error, with where it was raised, then which rank raised it
             print(err.traceback.rstrip(), file=sys.stderr)
-        print(f"flowvm: {err}", file=sys.stderr)
+            print(f"flowvm: rank {err.rank} failed (exit code {err.exitcode}); every rank is stopped",
+                  file=sys.stderr)
+        else:
+            print(f"flowvm: {err}; every rank is stopped", file=sys.stderr)
         return 1
     return 0
 

@@ -31,7 +31,8 @@ from typing import Any
 from ..base.data import Batches
 from ..base.errors import CheckpointError
 from ..persist import checkpoint, storage
-from ..persist.pickler import Pickler
+from ..persist.pickler import Pickler, Unpickler, pickle_bytes
+from ..base.environment import check_random, check_settings
 from . import group
 
 __all__ = ["MANIFEST", "FORMAT", "join", "is_checkpoint", "read_manifest", "save", "load", "find_batches",
@@ -132,13 +133,40 @@ def _unplain(obj: dict) -> Any:
     return base64.b64decode(obj["__bytes__"]) if set(obj) == {"__bytes__"} else obj
 
 
+def _is_data(value: Any, depth: int = 0) -> bool:
+    """Whether a register value is plain data (numbers, text, arrays, tensors, and tuples, lists and dicts of
+    them): a value no other part of the run can hold a reference to that matters."""
+    import numpy as np
+
+    torch = sys.modules.get("torch")
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, np.ndarray, np.generic)):
+        return True
+    if torch is not None and isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        return True
+    if depth < 8 and isinstance(value, (tuple, list)):
+        return all(_is_data(v, depth + 1) for v in value)
+    if depth < 8 and isinstance(value, dict):
+        return all(isinstance(k, str) and _is_data(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _local_registers(drv) -> bytes:
+    """The registers holding plain data whose value differs from rank 0's (the batch a rank took, its
+    loss), pickled; found by comparing each register's pickle digest through the group."""
+    blobs = {name: pickle_bytes(value) for name, value in drv.registers.items() if _is_data(value)}
+    digests = {name: hashlib.sha256(blob).hexdigest() for name, blob in blobs.items()}
+    first = group.broadcast(digests)
+    local = {name: drv.registers[name] for name in blobs if first.get(name) != digests[name]}
+    return pickle_bytes(local) if local else b""
+
+
 def rank_part(drv) -> dict:
-    """This rank's own state: its random generators and settings (what a copy resumes with) and the
-    position of each Batches of the driver."""
+    """This rank's own state: its random generators and settings (what a copy resumes with), the position
+    of each Batches of the driver, and its registers of plain data that differ from rank 0's."""
     batches = [dict(b.state_dict(), start=int(getattr(b, "start", 0)), batch_size=b.batch_size, size=b.size,
                     rank=b.rank, world_size=b.world_size) for b in find_batches(drv)]
     return {"rank": group.rank(), "world_size": max(group.world_size(), 1), "steps": drv.steps,
-            "environment": drv.snapshot().environment, "batches": batches}
+            "environment": drv.snapshot().environment, "batches": batches, "registers": _local_registers(drv)}
 
 
 def apply_part(drv, part: dict) -> None:
@@ -151,7 +179,19 @@ def apply_part(drv, part: dict) -> None:
         b.rank, b.world_size = group.rank(), max(group.world_size(), 1)
         b.start = state["start"]
         b.load_state_dict(state)
-    drv.saved_environment = part["environment"]
+    if part.get("registers"):
+        drv.registers.update(Unpickler(io.BytesIO(part["registers"])).load())
+    drv.saved_environment = _environment(part["environment"])
+
+
+def _environment(env: dict | None) -> dict | None:
+    """A rank's saved random states and settings, checked."""
+    if env is None:
+        return None
+    random = env.get("random")
+    return {"random": None if random is None else check_random(random, "<rank state>"),
+            "settings": check_settings(env.get("settings") or {}, "<rank state>"),
+            "announce": env.get("announce", True)}
 
 
 def reshard(drv, parts: list[dict]) -> None:
@@ -171,7 +211,7 @@ def reshard(drv, parts: list[dict]) -> None:
         b.seed, b.epoch, b.position, b.start = states[0]["seed"], epoch, 0, taken
         if taken >= b.size or b.count == 0:
             b.epoch, b.start = epoch + 1, 0
-    drv.saved_environment = parts[0]["environment"]
+    drv.saved_environment = _environment(parts[0]["environment"])
 
 
 def _encode(part: dict) -> bytes:

@@ -92,8 +92,24 @@ def init(timeout: float | None = None, backend_name: str | None = None) -> bool:
     name = backend_name or backend()
     if name == "nccl":
         torch.cuda.set_device(local_rank())
-    dist.init_process_group(name, timeout=datetime.timedelta(seconds=timeout_seconds(timeout)))
+    wait = datetime.timedelta(seconds=timeout_seconds(timeout))
+    dist.init_process_group(name, store=_store(wait), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=wait)
     return True
+
+
+def _store(timeout: datetime.timedelta):
+    """The group's key-value store, under a prefix of its own for each start of the group: the agent's store
+    outlives a restart, and the addresses the ranks of a failed start published there must not be read
+    by the next (they would connect to dead processes)."""
+    import torch.distributed as dist
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=not agent and os.environ["RANK"] == "0",
+                          timeout=timeout, multi_tenant=not agent)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"flowvm/start-{attempt}/", store)
 
 
 def shutdown() -> None:

@@ -87,6 +87,8 @@ def rank_failure(failed) -> RankError:
     info = (failure.error_file_data or {}).get("message", {})
     extra = info.get("extraInfo", {}) if isinstance(info, dict) else {}
     message = failure.message or ""
+    if isinstance(message, dict):  # torch reads our error file's message as the whole record
+        message = str(message.get("message", ""))
     if failure.exitcode < 0:
         import signal
 
@@ -124,14 +126,12 @@ def _rank_main(build: Callable, options: dict, location, every, every_seconds, s
         meta = {"builder": f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', '?')}",
                 "world_size": max(group.world_size(), 1)}
         Synchronized(drv, location, every, every_seconds, sync_every, key, meta, resumed=resumed).run(max_steps)
-        print("ran", time.time(), flush=True)
         return drv if group.rank() == 0 else None
     except BaseException as err:
         record_error(err, "group" if _collective_error(err) else "raised")
         raise
     finally:
         group.shutdown()
-        print("shut", time.time(), flush=True)
 
 
 def _collective_error(err: BaseException) -> bool:

@@ -1,0 +1,125 @@
+"""Data-parallel runs of two ranks on this machine (gloo on 127.0.0.1, ports chosen free by the rendezvous):
+exact resume at several cut points, a rank killed and the group restarted, a hung rank, a raising rank, a
+SIGTERM to one rank, a resume with another number of ranks, the bundled mlp.  Each run is the flowvm command
+in a new process (the installed package), with a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+PROG = str(Path(__file__).with_name("progs.py"))
+TIMEOUT = 120
+
+
+def flowvm(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-P", "-m", "flowvm", *args, "--progress", "none"],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def weights(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("weights ")]
+    assert len(lines) == 1, done.stdout  # rank 0 reports, once
+    return lines[0]
+
+
+def manifest(location: Path) -> dict:
+    return json.loads((location / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference() -> str:
+    """The final weights of the uninterrupted two-rank run (hex floats)."""
+    return weights(flowvm("run", PROG, "--nproc", "2"))
+
+
+def test_resume_at_several_cut_points_is_exact(reference, tmp_path):
+    ckpt = tmp_path / "run"
+    # step 7: a rank has taken its third batch but not trained on it; step 18: the end of the first epoch
+    first = flowvm("run", PROG, "--nproc", "2", "--checkpoint", str(ckpt), "--sync-every", "4", "--max-steps", "7")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert manifest(ckpt)["steps"] == 7 and manifest(ckpt)["world_size"] == 2
+    second = flowvm("resume", str(ckpt), "--max-steps", "11")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert manifest(ckpt)["steps"] == 18
+    assert weights(flowvm("resume", str(ckpt))) == reference
+    assert manifest(ckpt)["done"]
+    assert len([p for p in ckpt.iterdir() if p.name.startswith("step-")]) == 1  # older saves removed
+
+
+def test_a_killed_rank_is_restarted_from_the_last_checkpoint(reference, tmp_path):
+    ckpt, log = tmp_path / "run", tmp_path / "log"
+    log.mkdir()
+    done = flowvm("run", PROG, "--nproc", "2", "--checkpoint", str(ckpt), "--every", "6", "--sync-every", "3",
+                  "--max-restarts", "1", "--set", "fault='kill'", "--set", "at=4", "--set", f"log={str(log)!r}")
+    assert weights(done) == reference
+    lines = (log / "rank-1.txt").read_text().splitlines()
+    assert len(lines) > 18  # the updates after the last checkpoint ran twice: the group was restarted
+    assert manifest(ckpt)["done"]
+
+
+def test_a_hung_rank_is_an_error_within_the_timeout(tmp_path):
+    start = time.monotonic()
+    done = flowvm("run", PROG, "--nproc", "2", "--dist-timeout", "3", "--set", "fault='hang'", timeout=90)
+    assert done.returncode == 1
+    assert time.monotonic() - start < 60
+    assert "rank 0 failed" in done.stderr and "timed out" in done.stderr.lower(), done.stderr[-3000:]
+
+
+def test_a_raising_rank_stops_every_rank_and_is_reported_once(tmp_path):
+    ckpt = tmp_path / "run"
+    done = flowvm("run", PROG, "--nproc", "2", "--checkpoint", str(ckpt), "--every", "6", "--sync-every", "3",
+                  "--set", "fault='raise'", "--set", "at=5")
+    assert done.returncode == 1
+    assert done.stderr.count("ValueError: boom at update 5") == 1, done.stderr[-3000:]
+    assert done.stderr.count("flowvm: rank 1 failed") == 1
+    assert "rank 0 failed" not in done.stderr
+    assert manifest(ckpt)["steps"] == 12 and not manifest(ckpt)["done"]  # the last complete save is kept
+
+
+def test_sigterm_to_one_rank_is_one_checkpoint_of_every_rank(reference, tmp_path):
+    ckpt = tmp_path / "run"
+    stopped = flowvm("run", PROG, "--nproc", "2", "--checkpoint", str(ckpt), "--sync-every", "4",
+                     "--set", "fault='term'", "--set", "at=7")
+    assert stopped.returncode == 128 + 15, stopped.stderr[-3000:]
+    assert stopped.stderr.count("stopped by SIGTERM") == 1
+    saved = manifest(ckpt)
+    assert not saved["done"] and saved["steps"] % 4 == 0 and saved["steps"] >= 21  # the next agreement
+    assert len(saved["parts"]) == 2
+    assert weights(flowvm("resume", str(ckpt))) == reference
+
+
+def test_resume_with_another_number_of_ranks_skips_and_repeats_no_sample(tmp_path):
+    ckpt, log = tmp_path / "run", tmp_path / "log"
+    log.mkdir()
+    first = flowvm("run", PROG, "--nproc", "2", "--checkpoint", str(ckpt), "--sync-every", "3", "--max-steps", "9",
+                   "--set", f"log={str(log)!r}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    rest = flowvm("resume", str(ckpt), "--nproc", "1")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert manifest(ckpt)["world_size"] == 1
+    seen: dict[int, list[int]] = {}
+    for path in log.iterdir():
+        for line in path.read_text().splitlines():
+            epoch, *ids = map(int, line.split())
+            seen.setdefault(epoch, []).extend(ids)
+    assert sorted(seen[0]) == list(range(96))  # every sample of the cut epoch once
+    assert len(seen[1]) == len(set(seen[1])) > 0
+
+
+def test_the_bundled_mlp_trains_on_two_ranks(tmp_path):
+    done = flowvm("run", "mlp", "--nproc", "2", "--set", "epochs=3", "--set", "samples=900")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("MLP on spirals") == 1
+    accuracy = float(done.stdout.split("accuracy ")[1].split()[0])
+    assert accuracy > 0.6
