@@ -39,7 +39,7 @@ from typing import Any
 from ..pickled import stable
 from ..program.analysis import writes
 from ..base.sentinels import PENDING
-from ..program.elements import Element, Leaf, _check_element, _check_target
+from ..program.elements import Element, Leaf, check_element as _check_element, check_target as _check_target
 from ..base.errors import CommandError, SpawnError, SpawnTimeout, VerifyError
 from .executors import ExecutorRef, default_executor, executor_by_token, executor_token, shutdown_default_executor
 from .named import check_executor, executor_name, register_executor, start_ahead
