@@ -28,6 +28,7 @@ class Host:
 
     name: str
     address: str
+    interface: str = "veth0"  # its end of the pair (the same name in each namespace: GLOO_SOCKET_IFNAME)
 
     def command(self, args) -> list[str]:
         return ["ip", "netns", "exec", self.name, *[str(a) for a in args]]
@@ -83,7 +84,7 @@ def make_hosts() -> tuple[Host, Host]:
     """Two namespaces joined by a veth pair, each end addressed and up, loopback up in both."""
     pid = os.getpid()
     hosts = (Host(f"{PREFIX}{pid}-a", f"{SUBNET}.1"), Host(f"{PREFIX}{pid}-b", f"{SUBNET}.2"))
-    links = (f"fv{pid}a", f"fv{pid}b")  # interface names: at most 15 characters
+    links = (f"fv{pid}a", f"fv{pid}b")  # made here (at most 15 characters), renamed in their namespaces
     made = []
     try:
         for host in hosts:
@@ -92,8 +93,9 @@ def make_hosts() -> tuple[Host, Host]:
         _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
         for host, link in zip(hosts, links):
             _ip("link", "set", link, "netns", host.name)
-            _ip("-n", host.name, "addr", "add", f"{host.address}/24", "dev", link)
-            _ip("-n", host.name, "link", "set", link, "up")
+            _ip("-n", host.name, "link", "set", link, "name", host.interface)
+            _ip("-n", host.name, "addr", "add", f"{host.address}/24", "dev", host.interface)
+            _ip("-n", host.name, "link", "set", host.interface, "up")
             _ip("-n", host.name, "link", "set", "lo", "up")
     except Exception:
         remove_hosts(made)
