@@ -128,15 +128,24 @@ class Matches(Sequence):
         from ..machine.driver import Driver
 
         if isinstance(self.target, Driver):
-            from ..machine.running import drivers_mid_step
-
-            if self.target in drivers_mid_step():
-                raise EditError(f"the driver is running a step (step {self.target.steps}): a patch made by a "
-                                "CALL of that run is refused; patch it between steps")
-            if self.target.program is not self.program:
-                raise EditError(f"the driver's program has changed since these matches of {self.description} "
-                                "were found (a patch replaces it): call find() or at() again")
+            self._check_driver_patch()
             return tool("patch_driver")(self.target, self._found, op, new)
+        self._check_program_edit()
+        edited = apply_edits(self.target, self._found, op, new)
+        self._used = True
+        return become(self.target, edited)
+
+    def _check_driver_patch(self) -> None:
+        from ..machine.running import drivers_mid_step
+
+        if self.target in drivers_mid_step():
+            raise EditError(f"the driver is running a step (step {self.target.steps}): a patch made by a "
+                            "CALL of that run is refused; patch it between steps")
+        if self.target.program is not self.program:
+            raise EditError(f"the driver's program has changed since these matches of {self.description} "
+                            "were found (a patch replaces it): call find() or at() again")
+
+    def _check_program_edit(self) -> None:
         if self._used:
             raise EditError(f"these matches of {self.description} were already used for an edit, which may "
                             "have moved them: call find() or at() again")
@@ -148,27 +157,26 @@ class Matches(Sequence):
             if here is not m.element:
                 raise EditError(f"the program has changed since these matches of {self.description} were "
                                 "found (another edit moved them): call find() or at() again", m.path_text)
-        from ..machine.running import drivers_mid_step, running_in
+        _check_not_running(self.target)
 
-        for busy in drivers_mid_step():
-            if not busy.done and any(x is self.target for _, x in walk(busy.program)):
-                from ..program.printer import describe
 
-                raise EditError(f"{describe(self.target)} is part of the program a driver is running a step of "
-                                f"(step {busy.steps}): an edit made by a CALL of that run is refused; edit "
-                                "between steps (or patch the run through the driver, drv.find(...))")
-        live = running_in(self.target)
-        if live is not None:
-            from ..program.printer import describe
+def _check_not_running(target: Element) -> None:
+    """An edit in place of target is refused while a driver runs it (or runs a step of a program holding it)."""
+    from ..machine.running import drivers_mid_step, running_in
+    from ..program.printer import describe
 
-            drv, where = live
-            raise EditError(f"{describe(self.target)} is running in a driver (step {drv.steps}, at path "
-                            f"{where!r}); an edit in place would change it under that run: patch the run "
-                            "through the driver (drv.find(...), drv.at(...)), or edit a copy "
-                            "(copy.copy(element).find(...))")
-        edited = apply_edits(self.target, self._found, op, new)
-        self._used = True
-        return become(self.target, edited)
+    for busy in drivers_mid_step():
+        if not busy.done and any(x is target for _, x in walk(busy.program)):
+            raise EditError(f"{describe(target)} is part of the program a driver is running a step of "
+                            f"(step {busy.steps}): an edit made by a CALL of that run is refused; edit "
+                            "between steps (or patch the run through the driver, drv.find(...))")
+    live = running_in(target)
+    if live is not None:
+        drv, where = live
+        raise EditError(f"{describe(target)} is running in a driver (step {drv.steps}, at path "
+                        f"{where!r}); an edit in place would change it under that run: patch the run "
+                        "through the driver (drv.find(...), drv.at(...)), or edit a copy "
+                        "(copy.copy(element).find(...))")
 
 
 # ------------------------------------------------------------------- finding

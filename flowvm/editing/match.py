@@ -41,25 +41,38 @@ def same_value(p: Any, v: Any) -> bool:
         return True
     if isinstance(p, types.FunctionType) and _same_function(p, getattr(v, "__func__", v)):
         return True
-    if isinstance(p, Register):
-        return isinstance(v, Register) and p.name == v.name
-    if isinstance(p, Element):
-        return isinstance(v, Element) and matches(p, v)
-    if isinstance(p, (list, tuple)):
-        return (type(p) is type(v) and len(p) == len(v)
-                and all(same_value(a, b) for a, b in zip(p, v)))
-    if isinstance(p, dict) and not isinstance(p, Registers):
-        return (isinstance(v, dict) and len(p) == len(v)
-                and all(k in v and same_value(p[k], v[k]) for k in p))
-    if type(p) is not type(v):
-        return False
+    for kind, compare in _STRUCTURED:
+        if isinstance(p, kind) and not isinstance(p, Registers):
+            return compare(p, v)
+    return type(p) is type(v) and _equal(p, v)
+
+
+def _same_items(p: list | tuple, v: Any) -> bool:
+    return type(p) is type(v) and len(p) == len(v) and all(same_value(a, b) for a, b in zip(p, v))
+
+
+def _same_entries(p: dict, v: Any) -> bool:
+    return isinstance(v, dict) and len(p) == len(v) and all(k in v and same_value(p[k], v[k]) for k in p)
+
+
+# pattern values compared by their structure: (their class, the comparison), in order
+_STRUCTURED = (
+    (Register, lambda p, v: isinstance(v, Register) and p.name == v.name),
+    (Element, lambda p, v: isinstance(v, Element) and matches(p, v)),
+    ((list, tuple), _same_items),
+    (dict, _same_entries),
+)
+
+
+def _equal(p: Any, v: Any) -> bool:
+    """p == v, for values of one type; numpy arrays and tensors are equal when every item is."""
     try:
         equal = p == v
     except Exception:
         return False
     if isinstance(equal, bool):
         return equal
-    try:  # numpy arrays, tensors: equal when every item is
+    try:
         return bool(equal.all()) and getattr(p, "shape", None) == getattr(v, "shape", None)
     except Exception:
         return False

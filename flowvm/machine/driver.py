@@ -199,9 +199,8 @@ class Driver(Engine, RunStateAccess):
                 if value is not PENDING:
                     self._after_leaf(value)
                     continue
+                idle = self._polled(idle, deadline, block)
                 if idle is None:
-                    idle = _Idle()
-                if self._polled(idle, deadline, block):
                     return INCOMPLETE
         except Exception as err:  # the one place where a leaf's error gets its note (see _running_error)
             raise self._running_error(err)
@@ -221,18 +220,21 @@ class Driver(Engine, RunStateAccess):
             return repeat_seq(self, self._fastseq, limit, deadline)
         return repeat_woven(self, self._woven, limit, deadline)
 
-    def _polled(self, idle: _Idle, deadline: float | None, block: bool) -> bool:
+    def _polled(self, idle: "_Idle | None", deadline: float | None, block: bool) -> "_Idle | None":
         """The leaf returned PENDING: count the poll; when every runnable leaf polled pending in turn, wait
-        on them (block) or say so (True, for arun to await them)."""
+        on them (block), or return None to say so (for arun, which awaits them).  Returns the Idle that
+        follows the polls (a new one when idle is None)."""
+        if idle is None:
+            idle = _Idle()
         key = id(self._stack[-1])
         steps = self.steps
         self._after_poll()
         if idle.full_circle(key, steps):
             if not block:
                 idle.stopped = True
-                return True
+                return None
             idle.wait(self, deadline)
-        return False
+        return idle
 
     @property
     def position(self) -> str | None:

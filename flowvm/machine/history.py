@@ -30,11 +30,7 @@ MAX_LIST = 64
 
 def watch(drv, names, every: int | None, total: int | None) -> None:
     """Start (or widen) drv's history: names added to those it has; every fixed for a new history."""
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"watch: register names must be non-empty str, got {name!r}")
-    if every is not None and (isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1):
-        raise ValueError(f"watch: every must be an int >= 1 or None, got {every!r}")
+    _check_watch(names, every)
     w = drv._watch
     if w is None:
         w = drv._watch = {"every": int(every) if every is not None else max(1, (total or POINTS) // POINTS),
@@ -48,6 +44,14 @@ def watch(drv, names, every: int | None, total: int | None) -> None:
     attach(drv)
     if drv.steps == 0 or drv.done:
         record(drv)
+
+
+def _check_watch(names, every: int | None) -> None:
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"watch: register names must be non-empty str, got {name!r}")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1):
+        raise ValueError(f"watch: every must be an int >= 1 or None, got {every!r}")
 
 
 def attach(drv) -> None:

@@ -165,17 +165,8 @@ def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool 
         raise TypeError(f"optimize expects a flowvm program (an element), got {type(program).__name__}")
     if isinstance(passes, (str, Pass)):
         passes = [passes]
-    specs = list(DEFAULT_PIPELINE if passes is None else passes)
-    resolved = [_resolve(s) for s in specs]
-    known = {p.name for p, _ in resolved}
-    if options is not None and not (isinstance(options, Mapping)
-                                    and all(isinstance(v, Mapping) for v in options.values())):
-        raise TypeError("optimize: options must map a pass name to its options, like "
-                        f"{{'fuse-torch': {{'compile_after': 5}}}}; got {options!r:.80}")
-    for name in options or {}:
-        if name not in known:
-            raise UnknownPassError(f"optimize: options given for pass {name!r}, which is not in the pipeline "
-                                   f"({', '.join(p.name for p, _ in resolved) or 'empty'})", str(name))
+    resolved = [_resolve(s) for s in (DEFAULT_PIPELINE if passes is None else passes)]
+    _check_pipeline_options(options, resolved)
     if debug:
         _verify(program, "<input>", "the program given to optimize does not verify")
     ctx = PassContext(program)
@@ -186,24 +177,42 @@ def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool 
             merged = {**dict((options or {}).get(p.name, {})), **opts}
             ctx.pass_name = p.name
             _check_options(p, merged)
-            before = str(current) if debug else None
-            try:
-                new = p.run(current, **merged)
-            except Exception as err:
-                err.add_note(f"flowvm: in optimizer pass {p.name!r}")
-                raise
-            if not isinstance(new, Element):
-                raise PassError(f"pass {p.name!r} returned {type(new).__name__}, not a flowvm program", p.name)
-            if debug:
-                if str(current) != before:
-                    raise PassError(f"pass {p.name!r} changed the program it was given in place; a pass must "
-                                    "return a new program (edit a copy: copy.copy(program).find(...))", p.name)
-                _verify(new, p.name, f"pass {p.name!r} produced a program that does not verify")
-            current = new
+            current = _run_pass(p, current, merged, debug)
         # a new program even when no pass changed anything: editing it leaves the original alone
         return copy.copy(current) if current is program else current
     finally:
         _CONTEXT.reset(token)
+
+
+def _check_pipeline_options(options: Any, resolved: list) -> None:
+    """options maps names of passes in the pipeline to mappings of options."""
+    if options is not None and not (isinstance(options, Mapping)
+                                    and all(isinstance(v, Mapping) for v in options.values())):
+        raise TypeError("optimize: options must map a pass name to its options, like "
+                        f"{{'fuse-torch': {{'compile_after': 5}}}}; got {options!r:.80}")
+    known = {p.name for p, _ in resolved}
+    for name in options or {}:
+        if name not in known:
+            raise UnknownPassError(f"optimize: options given for pass {name!r}, which is not in the pipeline "
+                                   f"({', '.join(p.name for p, _ in resolved) or 'empty'})", str(name))
+
+
+def _run_pass(p: Pass, current: Element, options: dict, debug: bool) -> Element:
+    """The program pass p makes of current (checked, with debug, to be new and to verify)."""
+    before = str(current) if debug else None
+    try:
+        new = p.run(current, **options)
+    except Exception as err:
+        err.add_note(f"flowvm: in optimizer pass {p.name!r}")
+        raise
+    if not isinstance(new, Element):
+        raise PassError(f"pass {p.name!r} returned {type(new).__name__}, not a flowvm program", p.name)
+    if debug:
+        if str(current) != before:
+            raise PassError(f"pass {p.name!r} changed the program it was given in place; a pass must "
+                            "return a new program (edit a copy: copy.copy(program).find(...))", p.name)
+        _verify(new, p.name, f"pass {p.name!r} produced a program that does not verify")
+    return new
 
 
 def _check_options(p: Pass, options: Mapping[str, Any]) -> None:

@@ -33,11 +33,7 @@ def fn_name(fn: Any) -> str:
         name = objclass.__name__
         return f"{'Tensor' if name in ('TensorBase', '_TensorBase') else name}.{fn.__name__}"  # str.upper, Tensor.add
     if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, type)):
-        qual = getattr(fn, "__qualname__", None) or fn.__name__
-        if qual.startswith("_") and "." in qual and isinstance(fn, types.BuiltinFunctionType):
-            # a builtin kept in a hidden class of its module, such as torch.sin
-            return f"{fn.__module__}.{fn.__name__}" if getattr(fn, "__module__", None) else fn.__name__
-        return qual.rsplit("<locals>.", 1)[-1]
+        return _function_name(fn)
     name = getattr(fn, "__name__", None)
     if isinstance(name, str) and name.isidentifier():  # numpy's ufuncs and dispatchers: numpy.add, numpy.clip
         module = getattr(fn, "__module__", None)
@@ -45,34 +41,58 @@ def fn_name(fn: Any) -> str:
     return type(fn).__name__
 
 
+def _function_name(fn: Any) -> str:
+    qual = getattr(fn, "__qualname__", None) or fn.__name__
+    if qual.startswith("_") and "." in qual and isinstance(fn, types.BuiltinFunctionType):
+        # a builtin kept in a hidden class of its module, such as torch.sin
+        return f"{fn.__module__}.{fn.__name__}" if getattr(fn, "__module__", None) else fn.__name__
+    return qual.rsplit("<locals>.", 1)[-1]
+
+
+def _shape_text(kind: str, value: Any, dtype: str) -> str:
+    return f"<{kind} {dtype} {'x'.join(map(str, value.shape)) or 'scalar'}>"
+
+
+def _array_text(value: Any) -> str | None:
+    """A numpy array or torch tensor as its kind, dtype and shape (None for anything else)."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray):
+        return _shape_text("array", value, str(value.dtype))
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return _shape_text("tensor", value, str(value.dtype).replace("torch.", ""))
+    return None
+
+
+def _container_text(value: Any, is_seq: bool, limit: int, inside: frozenset) -> str:
+    opening, closing = ("[", "]") if isinstance(value, list) else ("(", ")") if is_seq else ("{", "}")
+    if id(value) in inside:
+        return f"{opening}...{closing}"
+    inside = inside | {id(value)}
+    parts, size = [], 0
+    for item in (value if is_seq else value.items()):
+        part = fmt(item, limit, inside) if is_seq else f"{fmt(item[0], limit, inside)}: {fmt(item[1], limit, inside)}"
+        parts.append(part)
+        size += len(part) + 2
+        if size > limit:  # the rest would be cut off anyway
+            break
+    inner = ", ".join(parts)
+    if is_seq and not isinstance(value, list) and len(value) == 1:
+        inner += ","
+    return f"{opening}{inner}{closing}"
+
+
 def fmt(value: Any, limit: int = 40, _inside: frozenset = frozenset()) -> str:
     """A short source-like rendering of an argument value (containers: only as much as the limit shows;
     a container inside itself: ``[...]``)."""
     if isinstance(value, Register):
         return value.name
-    np = sys.modules.get("numpy")
-    if np is not None and isinstance(value, np.ndarray):
-        return f"<array {value.dtype} {'x'.join(map(str, value.shape)) or 'scalar'}>"
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        return f"<tensor {str(value.dtype).replace('torch.', '')} {'x'.join(map(str, value.shape)) or 'scalar'}>"
+    text = _array_text(value)
+    if text is not None:
+        return text
     is_seq = isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
     if is_seq or isinstance(value, dict):
-        opening, closing = ("[", "]") if isinstance(value, list) else ("(", ")") if is_seq else ("{", "}")
-        if id(value) in _inside:
-            return f"{opening}...{closing}"
-        inside = _inside | {id(value)}
-        parts, size = [], 0
-        for item in (value if is_seq else value.items()):
-            part = fmt(item, limit, inside) if is_seq else f"{fmt(item[0], limit, inside)}: {fmt(item[1], limit, inside)}"
-            parts.append(part)
-            size += len(part) + 2
-            if size > limit:  # the rest would be cut off anyway
-                break
-        inner = ", ".join(parts)
-        if is_seq and not isinstance(value, list) and len(value) == 1:
-            inner += ","
-        text = f"{opening}{inner}{closing}"
+        text = _container_text(value, is_seq, limit, _inside)
     elif callable(value) and not isinstance(value, type):
         text = fn_name(value)
     else:

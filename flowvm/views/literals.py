@@ -20,8 +20,18 @@ def import_of(obj: Any) -> tuple[str, str] | None:
         return (obj.__name__, "")
     owner = getattr(obj, "__self__", None)
     bound = owner is not None and not isinstance(owner, types.ModuleType)
+    modules, attrs = _places(obj, owner if bound else None)
+    for mod_name in modules:
+        found = _lookup(mod_name, attrs, obj, bound)
+        if found is not None:
+            return (mod_name, found)
+    return None
+
+
+def _places(obj: Any, owner: Any) -> tuple[list, list]:
+    """The modules obj may be found in and the attribute paths it may have there, most likely first."""
     modules = [getattr(obj, "__module__", None)]
-    if bound:
+    if owner is not None:
         modules.append(type(owner).__module__)
     attrs = [getattr(obj, "__qualname__", None), getattr(obj, "__name__", None)]
     objclass = getattr(obj, "__objclass__", None)  # a method descriptor: str.upper, torch.Tensor.add
@@ -30,24 +40,24 @@ def import_of(obj: Any) -> tuple[str, str] | None:
             modules.insert(0, "torch")  # written as torch.Tensor.NAME, the name users know
             attrs.insert(0, f"Tensor.{obj.__name__}")
         modules.append(objclass.__module__)
-    for mod_name in modules:
-        if not isinstance(mod_name, str):
-            continue
+    return [m for m in modules if isinstance(m, str)], [a for a in attrs if isinstance(a, str) and "<" not in a]
+
+
+def _lookup(mod_name: str, attrs: list, obj: Any, bound: bool) -> str | None:
+    """The first of attrs that names obj in module mod_name (None when none does, or it does not import)."""
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception:
+        return None
+    for attr in attrs:
+        found: Any = module
         try:
-            module = importlib.import_module(mod_name)
-        except Exception:
+            for part in attr.split("."):
+                found = getattr(found, part)
+        except AttributeError:
             continue
-        for attr in attrs:
-            if not isinstance(attr, str) or "<" in attr:
-                continue
-            found: Any = module
-            try:
-                for part in attr.split("."):
-                    found = getattr(found, part)
-            except AttributeError:
-                continue
-            if found is obj or (bound and found == obj):
-                return (mod_name, attr)
+        if found is obj or (bound and found == obj):
+            return attr
     return None
 
 

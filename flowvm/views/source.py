@@ -253,22 +253,45 @@ def to_source(program: Element, *, names: dict[str, Any] | None = None,
     as source or imported.  Raises ``SourceError`` naming the element that
     holds something else.
     """
+    names = _checked_names(names)
+    w = _Writer(program, names, reg_name)
+    body = []
+    paths = {id(el): p for p, el in reversed(list(walk(program)))}
+    for k, el in enumerate(_shared_elements(program), 1):  # written once, as variables
+        text = w.element(el, paths[id(el)])
+        var = f"shared_{k}"
+        w.taken.add(var)
+        w.shared_vars[id(el)] = var
+        body.append(f"{var} = {text}")
+    body.append(f"program = {w.element(program, ())}")
+    table = program.__dict__.get("_overrides")
+    if table:
+        w.path = ()
+        body.append(f"program.dependency_overrides.update({w.overrides(table)})")
+    values = _register_values(w, registers)
+    text = "\n".join(body)
+    regs = f"{reg_name} = Registers({w.seq('{', [f'{k!r}: {v}' for k, v in values.items()], '}')})" \
+        if values else f"{reg_name} = Registers()"
+    return "\n".join(_imports(w, text, values)) + "\n\n" + regs + "\n" + text
+
+
+def _checked_names(names: Any) -> dict[str, Any]:
     if names is not None and not isinstance(names, dict):
         raise TypeError(f"to_source: names must be a dict of name -> object, got {type(names).__name__}")
     names = dict(names or {})
     for k in names:
         if not k.isidentifier():
             raise ValueError(f"to_source: names keys must be identifiers, got {k!r}")
-    w = _Writer(program, names, reg_name)
-    # elements found at more than one place are written once, as variables
+    return names
+
+
+def _shared_elements(program: Element) -> list[Element]:
+    """The elements found at more than one place (but the root), each after the shared elements inside it:
+    in the order a post-order walk finishes them."""
     counts: dict[int, int] = {}
-    objects: dict[int, Element] = {}
     for _, el in walk(program):
         counts[id(el)] = counts.get(id(el), 0) + 1
-        if id(el) not in objects:
-            objects[id(el)] = el
-    # each written after the shared elements inside it: in the order a post-order walk finishes them
-    finished: list[int] = []
+    finished: list[Element] = []
     seen: set[int] = set()
 
     def post(el: Element) -> None:
@@ -277,34 +300,30 @@ def to_source(program: Element, *, names: dict[str, Any] | None = None,
         seen.add(id(el))
         for c in el.children:
             post(c)
-        finished.append(id(el))
+        finished.append(el)
 
     post(program)
-    shared = [i for i in finished if counts[i] > 1 and objects[i] is not program]
-    body = []
-    paths = {id(el): p for p, el in reversed(list(walk(program)))}
-    for k, i in enumerate(shared, 1):
-        text = w.element(objects[i], paths[i])
-        var = f"shared_{k}"
-        w.taken.add(var)
-        w.shared_vars[i] = var
-        body.append(f"{var} = {text}")
-    body.append(f"program = {w.element(program, ())}")
-    table = program.__dict__.get("_overrides")
-    if table:
-        w.path = ()
-        body.append(f"program.dependency_overrides.update({w.overrides(table)})")
-    file = w.file if w.file is not None else None
+    return [el for el in finished if counts[id(el)] > 1 and el is not program]
+
+
+def _register_values(w: _Writer, registers: bool | Iterable[str]) -> dict[str, str]:
+    """The source of the values of the registers wanted (all, none, or those named)."""
+    file = w.file
+    if file is None or registers is False:
+        return {}
     values = {}
-    if file is not None and registers is not False:
-        wanted = list(file) if registers is True else list(registers)
-        for name in wanted:
-            if name in file:
-                try:
-                    values[name] = w.value(file[name])
-                except SourceError:
-                    raise SourceError(f"register {name!r} holds {describe_value(file[name])}, which has no source form; "
-                                      "pass registers=False or a list of register names to leave it out") from None
+    for name in (list(file) if registers is True else list(registers)):
+        if name in file:
+            try:
+                values[name] = w.value(file[name])
+            except SourceError:
+                raise SourceError(f"register {name!r} holds {describe_value(file[name])}, which has no source "
+                                  "form; pass registers=False or a list of register names to leave it out") from None
+    return values
+
+
+def _imports(w: _Writer, text: str, values: dict[str, str]) -> list[str]:
+    """The import lines of the source: flowvm's names, the modules the text uses, the objects it names."""
     public = set(w.flowvm)
     for (module, attr), local in list(w.imports.items()):
         if module == "flowvm" and attr and local == attr:  # POPEN, SPAWN, FUSED, ...: one import line
@@ -315,20 +334,21 @@ def to_source(program: Element, *, names: dict[str, Any] | None = None,
         head.append("from flowvm.machine.depends import Depends")
     if "Scope" in w.flowvm:
         head.append("from flowvm.editing.namespaces import Scope")
-    text = "\n".join(body)
     for module in ("functools", "numpy", "torch"):
         if f"{module}." in text or any(f"{module}." in v for v in values.values()):
             head.insert(0, f"import {module}")
-    from_imports: dict[str, list[str]] = {}
-    for (module, attr), local in sorted(w.imports.items()):
+    return head + _object_imports(w.imports)
+
+
+def _object_imports(imports: dict) -> list[str]:
+    """``import module [as local]`` for each module named, then ``from module import a, b as c`` per module."""
+    lines, from_imports = [], {}
+    for (module, attr), local in sorted(imports.items()):
         if attr:
             from_imports.setdefault(module, []).append(attr + (f" as {local}" if local != attr else ""))
         else:
-            head.append(f"import {module}" + (f" as {local}" if local != module else ""))
-    head += [f"from {module} import {', '.join(items)}" for module, items in from_imports.items()]
-    regs = f"{reg_name} = Registers({w.seq('{', [f'{k!r}: {v}' for k, v in values.items()], '}')})" \
-        if values else f"{reg_name} = Registers()"
-    return "\n".join(head) + "\n\n" + regs + "\n" + text
+            lines.append(f"import {module}" + (f" as {local}" if local != module else ""))
+    return lines + [f"from {module} import {', '.join(items)}" for module, items in from_imports.items()]
 
 
 def from_source(text: str, names: dict[str, Any] | None = None) -> Element:
