@@ -112,9 +112,8 @@ def _launch(args, nproc: int) -> int:
     try:
         run_elastic(cfg, sys.executable, "-m", "flowvm", *args.argv)
     except RankError as err:
-        stopped = {128 + signal.SIGTERM, 128 + signal.SIGINT}
-        if err.exitcode in stopped:  # the ranks agreed to stop on a signal (rank 0 said so)
-            return err.exitcode
+        if err.stopped() is not None:  # the ranks agreed to stop on a signal, saved, and rank 0 said so
+            return 128 + err.stopped()
         if err.traceback:  # the error, with where it was raised, then which rank raised it
             print(err.traceback.rstrip(), file=sys.stderr)
             print(f"flowvm: rank {err.rank} failed (exit code {err.exitcode}); every rank is stopped",
@@ -226,6 +225,7 @@ def _go(args, drv, module, meta: dict, location, key, resumed: bool) -> int:
             print(f"flowvm: stopped by {name} at step {drv.steps}{where}", file=sys.stderr, flush=True)
         finish(drv, module, location, key is not None, status)
         write_model(drv, module, args.output)
+    group.barrier()  # no rank ends (which stops the group) before rank 0 has reported
     return status
 
 

@@ -30,6 +30,18 @@ class RankError(FlowError):
     def __init__(self, rank: int, exitcode: int, message: str, traceback: str = ""):
         super().__init__(f"rank {rank} failed (exit code {exitcode}): {message}")
         self.rank, self.exitcode, self.message, self.traceback = rank, exitcode, message, traceback
+        self.exitcodes = {rank: exitcode}  # of every rank that failed
+
+    def stopped(self) -> int | None:
+        """The signal the ranks agreed to stop on (they saved and exited with 128 + it; the agent may have
+        stopped the last ones with SIGTERM meanwhile), or None when a rank failed."""
+        import signal
+
+        asked = {128 + signal.SIGTERM, 128 + signal.SIGINT}
+        agreed = {code for code in self.exitcodes.values() if code in asked}
+        if len(agreed) == 1 and all(code in asked or code == -signal.SIGTERM for code in self.exitcodes.values()):
+            return agreed.pop() - 128
+        return None
 
 
 def config(nproc: int, nnodes: int = 1, rdzv: str | None = None, node_rank: int | None = None,
@@ -94,8 +106,10 @@ def rank_failure(failed) -> RankError:
 
         name = signal.Signals(-failure.exitcode).name
         message = f"killed by {name}" if not message or message.startswith("Signal") else message
-    return RankError(rank, failure.exitcode, message or f"exit code {failure.exitcode}",
-                     extra.get("py_callstack", ""))
+    err = RankError(rank, failure.exitcode, message or f"exit code {failure.exitcode}",
+                    extra.get("py_callstack", ""))
+    err.exitcodes = {r: f.exitcode for r, f in failed.failures.items()}
+    return err
 
 
 def run_elastic(cfg, entrypoint: Callable | str, *args: Any) -> dict:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from moto_s3 import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
+
 pytest.importorskip("torch.distributed")
 
 PROG = str(Path(__file__).with_name("progs.py"))
@@ -87,16 +89,19 @@ def test_a_raising_rank_stops_every_rank_and_is_reported_once(tmp_path):
     assert manifest(ckpt)["steps"] == 12 and not manifest(ckpt)["done"]  # the last complete save is kept
 
 
-def test_sigterm_to_one_rank_is_one_checkpoint_of_every_rank(reference, tmp_path):
-    ckpt = tmp_path / "run"
-    stopped = flowvm("run", PROG, "--nproc", "2", "--checkpoint", str(ckpt), "--sync-every", "4",
+def test_sigterm_to_one_rank_is_one_checkpoint_of_every_rank_on_s3(reference, s3_bucket):
+    import s3fs
+
+    location = f"s3://{s3_bucket}/runs/linear"
+    stopped = flowvm("run", PROG, "--nproc", "2", "--checkpoint", location, "--sync-every", "4",
                      "--set", "fault='term'", "--set", "at=7")
     assert stopped.returncode == 128 + 15, stopped.stderr[-3000:]
     assert stopped.stderr.count("stopped by SIGTERM") == 1
-    saved = manifest(ckpt)
+    fs = s3fs.S3FileSystem()
+    saved = json.loads(fs.cat_file(f"{s3_bucket}/runs/linear/manifest.json"))
     assert not saved["done"] and saved["steps"] % 4 == 0 and saved["steps"] >= 21  # the next agreement
     assert len(saved["parts"]) == 2
-    assert weights(flowvm("resume", str(ckpt))) == reference
+    assert weights(flowvm("resume", location)) == reference
 
 
 def test_resume_with_another_number_of_ranks_skips_and_repeats_no_sample(tmp_path):

@@ -1,0 +1,125 @@
+"""Coordinated checkpoints and the rank API in one process (a world of one, no process group): the layout, the
+manifest written last, a save that fails part way, damaged and signed parts, S3, and Batches resharded for
+another number of ranks."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+import flowvm
+from flowvm import CALL, REPEAT, SEQ, Batches, CheckpointError, Registers
+from flowvm.distributed import checkpoints
+from flowvm.persist import storage
+
+from moto_s3 import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
+
+
+def program(samples: int = 20):
+    data = Batches(np.arange(samples), batch_size=3, seed=1)
+    reg = Registers(seen=[])
+    take = SEQ([CALL(data.next_batch, store_to=reg("batch")),
+                CALL(lambda seen, b: seen + b.tolist(), reg("seen"), reg("batch"), store_to=reg("seen"))])
+    return REPEAT(2, REPEAT(len(data), take))
+
+
+def test_rank_and_world_size_outside_a_distributed_run():
+    assert (flowvm.rank(), flowvm.world_size()) == (0, 0)
+    assert flowvm.distributed.launched() is False
+    shout = flowvm.rank0(str.upper)
+    assert shout("a") == "A"
+    assert b"flowvm.distributed\nRank0" in pickle.dumps(shout) or b"Rank0" in pickle.dumps(shout)
+    assert pickle.loads(pickle.dumps(shout))("b") == "B"
+    with pytest.raises(TypeError, match="rank0: expected a function"):
+        flowvm.rank0(3)
+
+
+def test_a_save_writes_its_parts_then_the_manifest_and_resumes_exactly(tmp_path):
+    straight = program().start()
+    straight.run()
+    drv = program().start()
+    drv.run(max_steps=9)
+    manifest = checkpoints.save(drv, tmp_path / "run")
+    folder = tmp_path / "run" / manifest["folder"]
+    assert sorted(p.name for p in folder.iterdir()) == ["rank-00000.json", "shared.ckpt"]
+    part = json.loads((folder / "rank-00000.json").read_text())
+    assert part["batches"][0]["position"] == 5 and part["steps"] == 9  # plain data
+    drv.run(max_steps=4)
+    second = checkpoints.save(drv, tmp_path / "run")
+    assert not folder.exists() and (tmp_path / "run" / second["folder"]).is_dir()  # the older save removed
+    again = checkpoints.load(tmp_path / "run")
+    again.run()
+    assert again.registers["seen"] == straight.registers["seen"]
+
+
+def test_a_save_that_fails_before_its_manifest_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    drv = program().start()
+    drv.run(max_steps=5)
+    checkpoints.save(drv, tmp_path / "run")
+    drv.run(max_steps=6)
+    real = storage.open_write
+
+    def failing(target):
+        if str(target).endswith(checkpoints.MANIFEST):
+            raise CheckpointError(target, "cannot save: disk full")
+        return real(target)
+
+    monkeypatch.setattr(storage, "open_write", failing)
+    with pytest.raises(CheckpointError, match="the previous checkpoint is kept"):
+        checkpoints.save(drv, tmp_path / "run")
+    monkeypatch.undo()
+    assert len([p for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")]) == 2  # one unnamed
+    assert checkpoints.load(tmp_path / "run").steps == 5
+
+
+def test_a_changed_part_or_a_wrong_key_is_refused(tmp_path):
+    drv = program().start()
+    drv.run(max_steps=5)
+    manifest = checkpoints.save(drv, tmp_path / "signed", key="k1")
+    with pytest.raises(CheckpointError, match="is signed"):
+        checkpoints.load(tmp_path / "signed")
+    with pytest.raises(CheckpointError, match="signature does not match"):
+        checkpoints.load(tmp_path / "signed", key="k2")
+    assert checkpoints.load(tmp_path / "signed", key="k1").steps == 5
+    part = tmp_path / "signed" / manifest["folder"] / "rank-00000.json"
+    changed = json.loads(part.read_text())
+    changed["batches"][0]["position"] = 0
+    part.write_text(json.dumps(changed))
+    with pytest.raises(CheckpointError, match="checksum differs"):
+        checkpoints.load(tmp_path / "signed", key="k1")
+
+
+def test_checkpoints_on_s3(s3_bucket):
+    straight = program().start()
+    straight.run()
+    drv = program().start()
+    drv.run(max_steps=7)
+    location = f"s3://{s3_bucket}/runs/a"
+    checkpoints.save(drv, location)
+    drv.run(max_steps=3)
+    checkpoints.save(drv, location)
+    assert checkpoints.is_checkpoint(location) and not checkpoints.is_checkpoint(f"s3://{s3_bucket}/runs/b")
+    again = checkpoints.load(location)
+    assert again.steps == 10
+    again.run()
+    assert again.registers["seen"] == straight.registers["seen"]
+
+
+def test_a_driver_resharded_for_one_rank_takes_the_rest_of_the_epoch_once():
+    two = [Batches(np.arange(23), batch_size=3, seed=4, rank=r, world_size=2) for r in range(2)]
+    taken = [x for b in two for x in b.next_batch().tolist() + b.next_batch().tolist()]
+    parts = [{"batches": [dict(b.state_dict(), start=0, batch_size=3, size=23, rank=r, world_size=2)],
+              "environment": None} for r, b in enumerate(two)]
+    data = Batches(np.arange(23), batch_size=3, seed=4, rank=0, world_size=2)
+    drv = CALL(data.next_batch).start()
+    checkpoints.reshard(drv, parts)  # outside a process group: a world of one
+    (found,) = checkpoints.find_batches(drv)
+    assert found is data and (found.rank, found.world_size, found.start, found.position) == (0, 1, 12, 0)
+    rest = []
+    while data.epoch == 0:
+        rest += data.next_batch().tolist()
+    assert sorted(taken + rest) == list(range(23))  # no sample skipped or taken twice
+    assert data.start == 0 and len(data) == 8  # the next epoch is a whole one
