@@ -111,23 +111,28 @@ def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int
     again, and stops when a turn passes to another child, after settling the driver into it (or at the step
     limit, the deadline, or one step before the REPEAT's last iteration).  Returns the steps taken."""
     weaves, rep, seq = woven
-    regs = drv.registers
-    stack = drv._stack
     if seq is None:
-        leaves = [drv._leaf]
-        last = pos = 0
+        leaves, pos = [drv._leaf], 0
     else:
-        leaves = [leaf_function(c, regs) for c in seq[ELEMENT].elements]
-        last, pos = len(leaves) - 1, seq[SEQ_POS]
+        leaves, pos = [leaf_function(c, drv.registers) for c in seq[ELEMENT].elements], seq[SEQ_POS]
+    # one WEAVE around: its active child's credit is counted in a local variable
+    loop = _in_one_weave if len(weaves) == 1 else _in_weaves
+    ran, passed = loop(drv, weaves, rep, seq, leaves, pos, limit - drv.steps, deadline)
+    if passed:  # settle into the child whose turn it is, as the step that ended the turn would
+        drv._fresh = None
+        drv.settle_after_turn()
+    return ran
+
+
+def _in_one_weave(drv, weaves: list, rep: list, seq: list | None, leaves: list, pos: int, budget, deadline):
+    """repeat_woven's loop inside one WEAVE: (steps taken, whether the turn passed to another child)."""
+    weave = weaves[0]
+    regs, stack, last = drv.registers, drv._stack, len(leaves) - 1
     i, n, value = rep[REPEAT_I], rep[REPEAT_N], rep[REPEAT_LAST]
     counter = rep[ELEMENT].counter
     name = counter.name if counter is not None else None
-    budget = limit - drv.steps
-    ran = 0
-    passed = False
-    timed = deadline is not None
-    weave = weaves[0] if len(weaves) == 1 else None  # one WEAVE around: its active child's credit counted here
-    left = turn_credit(weave) if weave is not None else 0
+    ran, passed, timed = 0, False, deadline is not None
+    left = turn_credit(weave)
     try:
         while ran < budget and (pos != last or i != n - 1):
             if timed and ran and monotonic() >= deadline:
@@ -142,45 +147,77 @@ def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int
                 pos = 0
             else:
                 pos += 1
-            if weave is not None:
-                left -= 1
-                if left >= 1:
-                    continue
-                a = weave[WEAVE_ACTIVE]
-                j = end_turn(weave, left)  # the turn is used up: the next child, as frames.weave_pick picks it
-                if j == a:
-                    left = turn_credit(weave)
-                    continue
-                weave = None  # its credits are written
+            left -= 1
+            if left >= 1:
+                continue
+            a = weave[WEAVE_ACTIVE]
+            j = end_turn(weave, left)  # the turn is used up: the next child, as frames.weave_pick picks it
+            left = turn_credit(weave)
+            if j != a:
                 repeat_counted(drv, rep, i, value)
                 _settled_before_turn(stack, seq, pos)
-                pass_turn(drv, weaves[0], j)
+                pass_turn(drv, weave, j)
                 passed = True
                 break
+    finally:
+        if not passed:
+            set_turn_credit(weave, left)
+            if ran:
+                _commit(drv, rep, seq, leaves, i, value, pos)
+        drv.steps += ran
+    return ran, passed
+
+
+def _in_weaves(drv, weaves: list, rep: list, seq: list | None, leaves: list, pos: int, budget, deadline):
+    """repeat_woven's loop inside several WEAVEs: (steps taken, whether a turn passed to another child)."""
+    regs, stack, last = drv.registers, drv._stack, len(leaves) - 1
+    i, n, value = rep[REPEAT_I], rep[REPEAT_N], rep[REPEAT_LAST]
+    counter = rep[ELEMENT].counter
+    name = counter.name if counter is not None else None
+    ran, passed, timed = 0, False, deadline is not None
+    try:
+        while ran < budget and (pos != last or i != n - 1):
+            if timed and ran and monotonic() >= deadline:
+                break
+            v = leaves[pos]()
+            ran += 1
+            if pos == last:  # the leaf, or the SEQ, finished an iteration of the REPEAT
+                i += 1
+                value = v
+                if name is not None:
+                    regs[name] = i
+                pos = 0
+            else:
+                pos += 1
             if turn_used(weaves):  # the frames as settling leaves them before the turn, then the turn
                 repeat_counted(drv, rep, i, value)
                 _settled_before_turn(stack, seq, pos)
                 passed = rotate_weaves(drv, weaves)
                 if passed:
                     break
-                if seq is not None and not pos:
-                    seq_restarted(stack, seq)
+                _turn_kept(stack, seq, pos)
     finally:
-        if weave is not None:
-            set_turn_credit(weave, left)
         if ran and not passed:
-            if seq is not None:
-                repeat_seq_counted(stack, rep, seq, i, value, pos)
-                drv._leaf = leaves[pos]
-                drv._fresh = len(stack) - 2 if pos == 0 else None
-            else:
-                repeat_counted(drv, rep, i, value)
-                drv._fresh = None
+            _commit(drv, rep, seq, leaves, i, value, pos)
         drv.steps += ran
-    if passed:  # settle into the child whose turn it is, as the step that ended the turn would
+    return ran, passed
+
+
+def _commit(drv, rep: list, seq: list | None, leaves: list, i: int, value, pos: int) -> None:
+    """The frames as the general path leaves them after the loop's last step (the turn still the child's)."""
+    if seq is not None:
+        repeat_seq_counted(drv._stack, rep, seq, i, value, pos)
+        drv._leaf = leaves[pos]
+        drv._fresh = len(drv._stack) - 2 if pos == 0 else None  # a SEQ just begun again counts as entered afresh
+    else:
+        repeat_counted(drv, rep, i, value)
         drv._fresh = None
-        drv.settle_after_turn()
-    return ran
+
+
+def _turn_kept(stack: list, seq: list | None, pos: int) -> None:
+    """Every WEAVE picked its active child again: a SEQ that finished enters its first child again."""
+    if seq is not None and not pos:
+        seq_restarted(stack, seq)
 
 
 def _settled_before_turn(stack: list, seq: list | None, pos: int) -> None:
