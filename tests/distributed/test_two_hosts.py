@@ -235,3 +235,17 @@ def test_a_run_killed_on_both_hosts_resumes_from_s3(two_hosts, straight, s3_on_a
                                          "--progress", "none"), tmp_path, "resumed", env)
     assert resumed.wait() == [0, 0], resumed.text()
     assert same_model(straight, tmp_path / "model.npz")
+
+
+# ------------------------------------------------------------------ flowvm's own launcher on each host
+def test_flowvm_run_launches_a_rank_group_on_each_host(two_hosts, straight, tmp_path):  # noqa: F811
+    """``flowvm run --nproc 1 --nnodes 2 --node-rank R --rdzv HOST:PORT`` on each host: one run of two ranks,
+    as torchrun's.  (The hosts' launchers must join one rendezvous: the same run id on every host.)"""
+    port = next(_ports)
+
+    def command(node: int) -> list:
+        return [sys.executable, "-m", "flowvm", "run", *CONVNET, "--nproc", "1", "--nnodes", "2", "--node-rank",
+                node, "--rdzv", f"{two_hosts[0].address}:{port}", "--output", tmp_path / "model.npz"]
+    run = Launch(two_hosts, command, tmp_path, "flowvm")
+    assert run.wait(timeout=90) == [0, 0], run.text()
+    assert same_model(straight, tmp_path / "model.npz")
