@@ -8,9 +8,9 @@ from .group import (Rank0, agree, backend, barrier, broadcast, gather, init, lau
 from .checkpoints import is_checkpoint, read_manifest
 from .checkpoints import load as load_checkpoint
 from .checkpoints import save as save_checkpoint
-from .launching import RankError, launch
+from .launching import Finished, RankError, launch
 from .loop import DEFAULT_SYNC_EVERY, Synchronized
 
 __all__ = ["rank", "world_size", "local_rank", "launched", "init", "shutdown", "backend", "agree", "gather",
-           "broadcast", "barrier", "rank0", "Rank0", "launch", "RankError", "Synchronized", "DEFAULT_SYNC_EVERY",
+           "broadcast", "barrier", "rank0", "Rank0", "launch", "Finished", "RankError", "Synchronized", "DEFAULT_SYNC_EVERY",
            "save_checkpoint", "load_checkpoint", "is_checkpoint", "read_manifest"]

@@ -9,18 +9,33 @@ serves); with ``node_rank`` given, a static rendezvous with that host rank (torc
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..base.errors import FlowError
+from ..persist.pickler import Unpickler, pickle_bytes
 from . import checkpoints, group
 
-__all__ = ["config", "run_elastic", "RankError", "launch", "rank_failure", "record_error"]
+__all__ = ["config", "run_elastic", "RankError", "Finished", "launch", "rank_failure", "record_error"]
 
 KIND = "flowvm_kind"  # in a rank's error file: "raised" (its own error) or "group" (a collective failed)
+
+
+@dataclass
+class Finished:
+    """What ``launch`` returns: rank 0's step count, whether its run is done, the program's value and its
+    registers, and the exit status (0, or 128 + the signal the ranks stopped on)."""
+
+    steps: int
+    done: bool
+    value: Any
+    registers: dict
+    status: int = 0
 
 
 class RankError(FlowError):
@@ -139,8 +154,13 @@ def _rank_main(build: Callable, options: dict, location, every, every_seconds, s
             drv = build(**options).start()
         meta = {"builder": f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', '?')}",
                 "world_size": max(group.world_size(), 1)}
-        Synchronized(drv, location, every, every_seconds, sync_every, key, meta, resumed=resumed).run(max_steps)
-        return drv if group.rank() == 0 else None
+        status = Synchronized(drv, location, every, every_seconds, sync_every, key, meta,
+                              resumed=resumed).run(max_steps)
+        if group.rank() != 0:
+            return None
+        # pickled here, while the group lives (a DistributedDataParallel among them pickles only then)
+        return pickle_bytes(Finished(drv.steps, drv.done, drv.result if drv.done else None, dict(drv.registers),
+                                     status))
     except BaseException as err:
         record_error(err, "group" if _collective_error(err) else "raised")
         raise
@@ -161,7 +181,7 @@ def launch(build: Callable, nproc: int = 2, options: dict | None = None, *, chec
            key: str | None = None, timeout: float | None = None, max_restarts: int = 0, nnodes: int = 1,
            rdzv: str | None = None, node_rank: int | None = None, max_steps: int | None = None):
     """Run ``build(**options)``'s program data-parallel on nproc ranks (per host) under torch's elastic
-    agent, and return rank 0's finished driver.
+    agent, and return rank 0's result (``Finished``: steps, done, value, registers, status).
 
     ``build`` must be importable by name (a module-level function: the ranks are new processes).  With
     ``checkpoint`` (a folder or URL prefix) the ranks save coordinated checkpoints there every ``every``
@@ -174,4 +194,4 @@ def launch(build: Callable, nproc: int = 2, options: dict | None = None, *, chec
     cfg = config(nproc, nnodes, rdzv, node_rank, max_restarts)
     results = run_elastic(cfg, _rank_main, build, dict(options or {}), checkpoint, every, every_seconds,
                           sync_every or DEFAULT_SYNC_EVERY, key, timeout, max_steps)
-    return results.get(0)
+    return Unpickler(io.BytesIO(results[0])).load()
