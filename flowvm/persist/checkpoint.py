@@ -55,6 +55,7 @@ from typing import Any
 import cloudpickle
 
 from . import storage
+from .location import Location
 from ..base.environment import check_random
 from ..base.errors import CheckpointError
 from .fileformat import (FORMAT, MAGIC, OUT_OF_BAND_MIN, THREADED_MIN, Digests, Verified, read_file,  # noqa: F401
@@ -186,9 +187,10 @@ def save(driver, path: str | os.PathLike, key: bytes | str | None = None, meta: 
     (see flowvm.persist.storage).  Large arrays and tensors go to the file from their own memory: saving
     needs little memory beyond the pickle of the rest.
     """
-    with storage.open_write(path) as f:
-        _write(f, driver, key, path, meta)
-    return storage.saved_location(path)
+    loc = Location.of(path)
+    with storage.open_write(loc) as f:
+        _write(f, driver, key, loc.given, meta)
+    return loc.saved
 
 
 def read_header(path: str | os.PathLike, key: bytes | str | None = None) -> dict:
@@ -197,13 +199,13 @@ def read_header(path: str | os.PathLike, key: bytes | str | None = None) -> dict
     With key, the signature is checked too: only then can the header's ``meta``
     be trusted (it is covered by the signature, not by the checksum alone).
     """
-    return read_file(path, _key_bytes(key), keep=False).header
+    return read_file(Location.of(path), _key_bytes(key), keep=False).header
 
 
 def references(path: str | os.PathLike, key: bytes | str | None = None) -> list[tuple[str, str]]:
     """The (module, name) pairs of the classes and functions a checkpoint names, which loading it would
     import and call: read from the checked file without unpickling anything."""
-    return sorted(names_in(read_file(path, _key_bytes(key), keep=False, keep_stream=True).stream))
+    return sorted(names_in(read_file(Location.of(path), _key_bytes(key), keep=False, keep_stream=True).stream))
 
 
 def loads(data: bytes, key: bytes | str | None = None, restore_random: bool = True, path: Any = "<bytes>",
@@ -260,5 +262,5 @@ def load(path: str | os.PathLike, key: bytes | str | None = None, restore_random
     is unpickled.  A signed file is refused without its key, unless ``verify=False``.  Loading an
     unsigned file from an untrusted source runs arbitrary code, as with any pickle.
     """
-    key = _key_bytes(key)
-    return _unpickle(read_file(path, key), path, key, restore_random, restore_settings, verify)
+    key, loc = _key_bytes(key), Location.of(path)
+    return _unpickle(read_file(loc, key), loc.given, key, restore_random, restore_settings, verify)

@@ -19,6 +19,7 @@ import threading
 from typing import Any, NamedTuple
 
 from . import storage
+from .location import Location
 from ..base.errors import CheckpointError
 from .headers import check_header
 from .pickler import storage_bytes
@@ -276,37 +277,28 @@ def verify_bytes(data, path, key: bytes | None, keep: bool = True, keep_stream: 
     return Verified(layout.header, stream, buffers)
 
 
-def _local_file(target) -> str | bytes | None:
-    """target as a local file name, or None for a target storage handles otherwise (a URL)."""
-    if isinstance(target, str) and "://" in target:
-        return None
-    if isinstance(target, (str, bytes, os.PathLike)):
-        return os.fspath(target)
-    return None
-
-
 def read_file(path, key: bytes | None, keep: bool = True, keep_stream: bool = False) -> Verified:
-    """Read and check a checkpoint file.
+    """Read and check a checkpoint file (path: a path, a URL or a Location).
 
     A local file is read in one pass, straight into the memory the loaded objects will own, and hashed
     as it is read (see Digests); the header is checked before the rest is read.  Other targets are
     read whole through flowvm.persist.storage, then checked in memory.  With keep=False the payload is hashed
     and dropped (read_header)."""
-    name = _local_file(path)
-    if name is None:
-        return verify_bytes(storage.read_bytes(path), path, key, keep, keep_stream)
+    loc = Location.of(path)
+    if loc.path is None:
+        return verify_bytes(storage.read_bytes(loc), loc.given, key, keep, keep_stream)
     try:
-        f = open(name, "rb")
+        f = open(loc.path, "rb")
     except OSError:  # storage says what is wrong, in its own words
-        return verify_bytes(storage.read_bytes(path), path, key, keep, keep_stream)
+        return verify_bytes(storage.read_bytes(loc), loc.given, key, keep, keep_stream)
     with f:
         try:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):  # a pipe or a device: no size to plan the reads with
-                return verify_bytes(f.read(), path, key, keep, keep_stream)
-            return _read_open_file(f, st.st_size, path, key, keep, keep_stream)
+                return verify_bytes(f.read(), loc.given, key, keep, keep_stream)
+            return _read_open_file(f, st.st_size, loc.given, key, keep, keep_stream)
         except OSError as err:
-            raise CheckpointError(path, f"cannot read: {err.strerror or err}") from err
+            raise CheckpointError(loc.given, f"cannot read: {err.strerror or err}") from err
 
 
 def _read_open_file(f, total: int, path, key: bytes | None, keep: bool, keep_stream: bool = False) -> Verified:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..base.errors import CheckpointError
+from .location import Location
 from .remote import dead
 
 try:
@@ -74,11 +75,10 @@ def _refusal(target: Any, owner: dict, where: str) -> CheckpointError:
 def holding(target: Any) -> Iterator[None]:
     """Hold the lock of the checkpoint location target for the block; a CheckpointError naming the owner
     if another process holds it."""
-    from .storage import local_path
-
-    path = local_path(target)
+    loc = Location.of(target)
+    target, path = loc.given, loc.path
     if path is None:
-        with _holding_object(target):
+        with _holding_object(loc):
             yield
         return
     if fcntl is None:  # pragma: no cover
@@ -122,10 +122,9 @@ def _lock_local(target: Any, path: Path) -> int:
 
 
 @contextmanager
-def _holding_object(target: str) -> Iterator[None]:
-    from .remote import filesystem
-
-    fs, path, _ = filesystem(target)
+def _holding_object(loc: Location) -> Iterator[None]:
+    fs, path = loc.filesystem()
+    target = loc.given
     name = f"{path}.lock"
     if not _create_object(fs, name, target):
         yield

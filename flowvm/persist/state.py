@@ -39,7 +39,7 @@ import time
 import warnings
 from typing import Any, Iterable
 
-from . import storage
+from .location import Location
 from ..base.environment import check_random, check_settings
 from ..base.errors import CheckpointError, CopyWarning
 from ..base.sentinels import NOVALUE
@@ -53,7 +53,8 @@ from ..program.printer import lines
 from .checkpoint import _key_bytes
 from .statefile import FORMAT, MAC, checksum_name, digests, read_state, views_of, write
 from .stateframes import LARGEST, check_frame
-from .stateobjects import check_program_objects, encode_object, restore_object, roots
+from .stateobjects import encode_object, roots
+from .staterestore import check_program_objects, restore_object
 from .statedecoder import Decoder
 from .stateshow import SavedArray, SavedObject, malformed, pairs as _pairs, show_state  # noqa: F401  (flowvm.persist.state.SavedObject, show_state)
 from .statevalues import Encoder, Refused
@@ -86,14 +87,14 @@ def save_state(driver, path: str | os.PathLike, key: bytes | str | None = None, 
     as a safetensors file holding no code; sign it with key if given.  ``meta``: a JSON-serializable dict kept
     in the header.  Refuses (CheckpointError) a run holding something a state file cannot hold, naming the
     register or the CALL and the object's type.  Returns where the file went (a Path, or the URL)."""
-    key = _key_bytes(key)
-    metadata, enc = collect(driver, path, key is not None, meta)
+    key, loc = _key_bytes(key), Location.of(path)
+    metadata, enc = collect(driver, loc.given, key is not None, meta)
     checksum, mac = digests(metadata, enc.table, views_of(enc.table, enc.data), key)
     metadata[checksum_name(key is not None)] = checksum.hex()
     if mac is not None:
         metadata[MAC] = mac.hex()
-    write(path, enc.table, enc.data, metadata)
-    return storage.saved_location(path)
+    write(loc, enc.table, enc.data, metadata)
+    return loc.saved
 
 
 def collect(driver, path: Any = "<state>", signed: bool = False, meta: dict | None = None) -> tuple[dict, Encoder]:
@@ -203,9 +204,10 @@ def load_state(path: Any, program: Element, key: bytes | str | None = None, rest
         if not isinstance(cls, type):
             raise TypeError(f"load_state: classes must be classes, got {type(cls).__name__} {cls!r:.60}")
         allowed.setdefault(cls.__qualname__, cls)
-    loaded = read_state(path, _key_bytes(key), verify=verify, keep=True)
-    with malformed(path, "the saved run"):
-        drv = _restore(loaded, program, path, allowed)
+    loc = Location.of(path)
+    loaded = read_state(loc, _key_bytes(key), verify=verify, keep=True)
+    with malformed(loc.given, "the saved run"):
+        drv = _restore(loaded, program, loc.given, allowed)
     return drv.resume_with(random=restore_random, settings=restore_settings)
 
 

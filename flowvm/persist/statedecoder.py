@@ -67,69 +67,53 @@ class Decoder:
             raise self.error(where, "malformed: values nested too deeply") from None
 
     def _tagged(self, have: Any, node: dict, where: str) -> Any:
-        if "ref" in node:
-            n = node["ref"]
-            if type(n) is not int or n not in self.memo:
-                raise self.error(where, f"malformed: a reference to an unknown value ({n!r:.20})")
-            return self.memo[n]
-        if "list" in node:
-            return self._list(have, node["list"], node, where)
-        if "dict" in node:
-            return self._dict(have, node, where)
-        if "tuple" in node:
-            items = node["tuple"]
-            like = have if type(have) is tuple and len(have) == len(items) else None
-            return tuple(self.restore(like[i] if like else MISSING, x, _step(where, i)) for i, x in enumerate(items))
-        if "int" in node:
-            return int(_checked_str(node["int"], 5000))
-        if "float" in node:
-            return _float_value(node["float"])
-        if "set" in node:
-            value = self.keep(node, set())
-            value.update(self.value(x, where) for x in node["set"])
-            return value
-        if "frozenset" in node:
-            return frozenset(self.value(x, where) for x in node["frozenset"])
-        if "bytes" in node:
-            return base64.b64decode(_checked_str(node["bytes"]), validate=True)
-        if "bytearray" in node:
-            return self.keep(node, bytearray(base64.b64decode(_checked_str(node["bytearray"]), validate=True)))
-        if "complex" in node:
-            re_, im = (self.value(x, where) for x in node["complex"])
-            return complex(float(re_), float(im))
-        if "ndarray" in node:
-            return self._array(have, node, where)
-        if "numpy_scalar" in node:
-            import numpy as np
-
-            dtype = numpy_dtype(node["numpy_scalar"])
-            data = bytes.fromhex(_checked_str(node["hex"]))
-            return np.frombuffer(data, dtype=dtype, count=1)[0].copy() if len(data) == dtype.itemsize \
-                else _bad(f"{len(data)} bytes for a {dtype} scalar")
-        if "tensor" in node:
-            return self._tensor(have, node, where)
-        if "torch_dtype" in node:
-            dtypes = torch_dtypes()
-            name = node["torch_dtype"]
-            if name not in dtypes:
-                raise self.error(where, f"unknown torch dtype {name!r:.40}")
-            return dtypes[name]
-        if "torch_device" in node:
-            import torch
-
-            return torch.device(device_name(node["torch_device"]))
-        if "torch_size" in node:
-            import torch
-
-            return torch.Size([int(x) for x in node["torch_size"]])
-        if "global_generator" in node:
-            name = node["global_generator"]
-            if name not in _GLOBALS:
-                raise self.error(where, f"unknown global generator {name!r:.40}")
-            return global_generator(name)
+        for tag, decode in _TAGGED:  # in this order: a node with two tags is read by the first
+            if tag in node:
+                return decode(self, have, node, where)
         if self.objects is None:
             raise self.error(where, f"malformed node with keys {sorted(node)[:4]}")
         return self.objects(self, have, node, where)
+
+    def _ref(self, have: Any, node: dict, where: str) -> Any:
+        n = node["ref"]
+        if type(n) is not int or n not in self.memo:
+            raise self.error(where, f"malformed: a reference to an unknown value ({n!r:.20})")
+        return self.memo[n]
+
+    def _tuple(self, have: Any, node: dict, where: str) -> tuple:
+        items = node["tuple"]
+        like = have if type(have) is tuple and len(have) == len(items) else None
+        return tuple(self.restore(like[i] if like else MISSING, x, _step(where, i)) for i, x in enumerate(items))
+
+    def _set(self, have: Any, node: dict, where: str) -> set:
+        value = self.keep(node, set())
+        value.update(self.value(x, where) for x in node["set"])
+        return value
+
+    def _complex(self, have: Any, node: dict, where: str) -> complex:
+        re_, im = (self.value(x, where) for x in node["complex"])
+        return complex(float(re_), float(im))
+
+    def _numpy_scalar(self, have: Any, node: dict, where: str) -> Any:
+        import numpy as np
+
+        dtype = numpy_dtype(node["numpy_scalar"])
+        data = bytes.fromhex(_checked_str(node["hex"]))
+        return np.frombuffer(data, dtype=dtype, count=1)[0].copy() if len(data) == dtype.itemsize \
+            else _bad(f"{len(data)} bytes for a {dtype} scalar")
+
+    def _torch_dtype(self, have: Any, node: dict, where: str) -> Any:
+        dtypes = torch_dtypes()
+        name = node["torch_dtype"]
+        if name not in dtypes:
+            raise self.error(where, f"unknown torch dtype {name!r:.40}")
+        return dtypes[name]
+
+    def _global_generator(self, have: Any, node: dict, where: str) -> Any:
+        name = node["global_generator"]
+        if name not in _GLOBALS:
+            raise self.error(where, f"unknown global generator {name!r:.40}")
+        return global_generator(name)
 
     def _list(self, have: Any, items: Any, node: dict | None, where: str) -> list:
         if type(items) is not list:
@@ -250,3 +234,39 @@ def _checked_str(value: Any, limit: int = 1 << 31) -> str:
 
 def _bad(reason: str):
     raise ValueError(reason)
+
+
+def _torch_device(dec: Decoder, have: Any, node: dict, where: str) -> Any:
+    import torch
+
+    return torch.device(device_name(node["torch_device"]))
+
+
+def _torch_size(dec: Decoder, have: Any, node: dict, where: str) -> Any:
+    import torch
+
+    return torch.Size([int(x) for x in node["torch_size"]])
+
+
+# a tagged node's tags, in the order they are looked for, and how each is read
+_TAGGED = (
+    ("ref", Decoder._ref),
+    ("list", lambda dec, have, node, where: dec._list(have, node["list"], node, where)),
+    ("dict", lambda dec, have, node, where: dec._dict(have, node, where)),
+    ("tuple", Decoder._tuple),
+    ("int", lambda dec, have, node, where: int(_checked_str(node["int"], 5000))),
+    ("float", lambda dec, have, node, where: _float_value(node["float"])),
+    ("set", Decoder._set),
+    ("frozenset", lambda dec, have, node, where: frozenset(dec.value(x, where) for x in node["frozenset"])),
+    ("bytes", lambda dec, have, node, where: base64.b64decode(_checked_str(node["bytes"]), validate=True)),
+    ("bytearray", lambda dec, have, node, where: dec.keep(
+        node, bytearray(base64.b64decode(_checked_str(node["bytearray"]), validate=True)))),
+    ("complex", Decoder._complex),
+    ("ndarray", lambda dec, have, node, where: dec._array(have, node, where)),
+    ("numpy_scalar", Decoder._numpy_scalar),
+    ("tensor", lambda dec, have, node, where: dec._tensor(have, node, where)),
+    ("torch_dtype", Decoder._torch_dtype),
+    ("torch_device", _torch_device),
+    ("torch_size", _torch_size),
+    ("global_generator", Decoder._global_generator),
+)

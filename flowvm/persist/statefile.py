@@ -29,23 +29,19 @@ import hmac
 import json
 import os
 import struct
-import sys
 import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import storage
+from .location import Location
 from ..base.errors import CheckpointError
 from ..base.version import __version__
 from .fileformat import Digests
 from .headers import check_header
-from .pickler import storage_bytes
-from .statevalues import numpy_dtype, torch_dtypes
+from .statetensors import MAX_DIMS, PIECE, ST_DTYPES, bytes_of, read_tensors
 
 FORMAT = 3
-PIECE = 4 << 20  # bytes hashed as one piece of the hash list
 SHA, XXH, MAC = "flowvm.sha256", "flowvm.xxh3", "flowvm.hmac"
 PARTS = ("header", "program", "tensors", "objects", "registers", "run", "environment")
 
@@ -65,30 +61,18 @@ def write(path: Any, table: dict, data: dict, metadata: dict) -> None:
         from safetensors.numpy import save, save_file
 
         tensors = data
-    local = storage.local_path(path)
-    if local is None:
-        with storage.open_write(path) as f:
+    loc = Location.of(path)
+    if loc.path is None:
+        with storage.open_write(loc) as f:
             f.write(save(tensors, metadata=metadata))
         return
-    storage.check_target(path)
-    storage.write_local_with(Path(local), lambda name: save_file(tensors, name, metadata=metadata), path)
+    storage.check_target(loc)
+    storage.write_local_with(loc.path, lambda name: save_file(tensors, name, metadata=metadata), loc.given)
 
 
 # ====================================================================== checking
-def _bytes_of(x: Any) -> memoryview:
-    """A byte view of a CPU contiguous tensor or array (no copy)."""
-    np = sys.modules.get("numpy")
-    if np is not None and isinstance(x, np.ndarray):
-        return memoryview(x.reshape(-1).view(np.uint8))
-    n = x.numel() * x.element_size()
-    if n == 0:
-        return memoryview(b"")
-    start = x.storage_offset() * x.element_size()
-    return memoryview(storage_bytes(x.untyped_storage())[start: start + n])
-
-
 def views_of(table: dict, data: dict) -> dict:
-    return {name: _bytes_of(data[name]) for name in table}
+    return {name: bytes_of(data[name]) for name in table}
 
 
 def _pieces(view: memoryview) -> list:
@@ -159,15 +143,15 @@ class Loaded(NamedTuple):
 def read_state(path: Any, key: bytes | None = None, verify: bool = True, keep: bool | int = True) -> Loaded:
     """Read and check a state file (see the module docstring for the order of the checks); with keep, its
     tensors are copied into memory of their own (else only hashed; keep=N: those of at most N bytes)."""
-    local = storage.local_path(path)
-    if local is not None:
-        return _read_local(str(local), path, key, verify, keep)
-    data = storage.read_bytes(path)
+    loc = Location.of(path)
+    if loc.path is not None:
+        return _read_local(str(loc.path), loc.given, key, verify, keep)
+    data = storage.read_bytes(loc)
     with tempfile.TemporaryDirectory(prefix="flowvm-state-") as tmp:
         name = os.path.join(tmp, "state.safetensors")
         with open(name, "wb") as f:
             f.write(data)
-        return _read_local(name, path, key, verify, keep)
+        return _read_local(name, loc.given, key, verify, keep)
 
 
 def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: bool | int) -> Loaded:
@@ -179,7 +163,20 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
     if size == 0:
         raise CheckpointError(path, "empty file, not a flowvm state checkpoint")
     metadata, entries = _safetensors_header(name, size, path)
-    names = set(entries)
+    checksum = _checksum_of(metadata, path)
+    table = _tensor_table(metadata, set(entries), path)
+    tensors, views, hashed = read_tensors(name, path, table, entries, keep, piece_hash(checksum))
+    found, mac = digests(metadata, table, views, key, hashed, checksum)
+    if not hmac.compare_digest(found.hex(), metadata[checksum]):
+        raise CheckpointError(path, "corrupted: checksum mismatch")
+    header, parts = _parts(metadata, path)
+    check_header(header, path)
+    _check_signature(header["signed"], mac, metadata, key, verify, path)
+    return Loaded(header, parts, table, tensors)
+
+
+def _checksum_of(metadata: dict, path: Any) -> str:
+    """The name of the file's checksum, once its format is one this flowvm reads and its parts are there."""
     if "flowvm.format" not in metadata:
         raise CheckpointError(path, "not a flowvm state checkpoint (a safetensors file without flowvm's metadata)")
     fmt = metadata["flowvm.format"]
@@ -192,6 +189,11 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
     checksum = SHA if SHA in metadata or int(fmt) == 1 else XXH
     if missing or checksum not in metadata:
         raise CheckpointError(path, f"corrupted: the metadata lacks {', '.join(missing) or 'the checksum'}")
+    return checksum
+
+
+def _tensor_table(metadata: dict, names: set, path: Any) -> dict:
+    """The tensor table, which must list the file's tensors (names), no more, no fewer."""
     try:
         table = json.loads(metadata["flowvm.tensors"])
         if type(table) is not dict or not all(type(v) is dict and v.get("kind") in ("numpy", "torch")
@@ -201,19 +203,23 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
         raise CheckpointError(path, "corrupted: the tensor table cannot be read") from None
     if set(table) != names:
         raise CheckpointError(path, "corrupted: the file's tensors are not those its tensor table lists")
-    tensors, views, hashed = _read_tensors(name, path, table, entries, keep, piece_hash(checksum))
-    found, mac = digests(metadata, table, views, key, hashed, checksum)
-    if not hmac.compare_digest(found.hex(), metadata[checksum]):
-        raise CheckpointError(path, "corrupted: checksum mismatch")
+    return table
+
+
+def _parts(metadata: dict, path: Any) -> tuple[dict, dict]:
+    """(header, the other parts by name) parsed (after the checksum matched)."""
     try:
         header = json.loads(metadata["flowvm.header"])
         parts = {p: json.loads(metadata[f"flowvm.{p}"]) for p in PARTS if p not in ("header", "tensors")}
-        signed = header["signed"]
-        if type(signed) is not bool:
+        if type(header["signed"]) is not bool:
             raise ValueError("signed")
     except (ValueError, KeyError, TypeError, RecursionError):
         raise CheckpointError(path, "corrupted: the metadata cannot be read") from None
-    check_header(header, path)
+    return header, parts
+
+
+def _check_signature(signed: bool, mac: bytes | None, metadata: dict, key: bytes | None, verify: bool,
+                     path: Any) -> None:
     if key is not None:
         if not signed:
             raise CheckpointError(path, "refused: the file is not signed, but a key was given")
@@ -222,84 +228,6 @@ def _read_local(name: str, path: Any, key: bytes | None, verify: bool, keep: boo
     elif signed and verify:
         raise CheckpointError(path, "refused: the file is signed; give its key (key=...), or pass verify=False "
                                     "to load it without checking the signature")
-    return Loaded(header, parts, table, tensors)
-
-
-# safetensors' dtype names -> (numpy's dtype.str, torch's name); None: numpy has no such dtype
-_ST_DTYPES = {"BOOL": ("|b1", "bool"), "U8": ("|u1", "uint8"), "I8": ("|i1", "int8"), "I16": ("<i2", "int16"),
-              "U16": ("<u2", "uint16"), "I32": ("<i4", "int32"), "U32": ("<u4", "uint32"), "I64": ("<i8", "int64"),
-              "U64": ("<u8", "uint64"), "F16": ("<f2", "float16"), "BF16": (None, "bfloat16"),
-              "F32": ("<f4", "float32"), "F64": ("<f8", "float64"), "C64": ("<c8", "complex64"),
-              "F8_E4M3": (None, "float8_e4m3fn"), "F8_E5M2": (None, "float8_e5m2"),
-              "F8_E4M3FNUZ": (None, "float8_e4m3fnuz"), "F8_E5M2FNUZ": (None, "float8_e5m2fnuz")}
-MAX_DIMS = 64
-
-
-def _read_tensors(name: str, path: Any, table: dict, entries: dict, keep: bool | int, one):
-    """(tensors as restored or None, their byte views (without keep: their sizes), their pieces' hashes by one).
-
-    Each tensor's dtype and shape, from the file's header, are checked against the table; with keep, it is
-    read piece by piece from the file into memory of its own by worker threads (``preadv``: no page faults on
-    a mapping of the file, and the new memory's first-touch faults on every core), each piece hashed by the
-    thread that read it.  Without keep, the pieces go through one scratch buffer: memory stays bounded
-    whatever the file declares."""
-    torch_file = any(info["kind"] == "torch" for info in table.values())
-    # show (keep: a size): where torch is not imported, torch's tensors are read as numpy arrays, torch never
-    # imported (one whose dtype numpy lacks is hashed, not kept, as a large one is)
-    as_numpy = torch_file and keep is not True and keep is not False and "torch" not in sys.modules
-    import numpy as np
-
-    if torch_file and keep is not False and not as_numpy:
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            raise CheckpointError(path, "holds torch tensors: install torch to load it") from None
-
-    out, views, futures, hashed = {}, {}, {}, {}
-    with ThreadPoolExecutor(min(os.cpu_count() or 1, 16), thread_name_prefix="flowvm-state-read") as pool, \
-            open(name, "rb", buffering=0) as raw:
-        scratch = None if keep is True else memoryview(bytearray(PIECE))
-        for tname in sorted(table):
-            info = table[tname]
-            st_dtype, shape, begin, end = entries[tname]
-            try:
-                expect = _stored(info, torch_file)
-                nbytes = _nbytes(info)
-            except Exception as err:
-                raise CheckpointError(path, f"corrupted: tensor {tname!r:.80}'s entry in the tensor table cannot be "
-                                            f"read ({type(err).__name__}: {str(err)[:120]})") from None
-            dtype = _ST_DTYPES[st_dtype]
-            by_torch = torch_file and (info["kind"] == "torch" or info.get("raw"))
-            got = (dtype[1] if by_torch else dtype[0], shape)
-            if got != expect:
-                raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} is {got}, its table says {expect}")
-            if end - begin != nbytes:
-                raise CheckpointError(path, f"corrupted: tensor {tname!r:.80} has {end - begin} bytes in the "
-                                            f"file, {nbytes} by its dtype and shape")
-            numpy_kind = as_numpy and info["kind"] == "torch"
-            readable = not numpy_kind or not info.get("raw") and dtype[0] is not None
-            if readable and (keep is True or keep is not False and nbytes <= keep):
-                own = np.empty(shape, dtype=dtype[0]) if numpy_kind else _empty(info, torch_file and not as_numpy)
-                view = _bytes_of(own)
-                futures[tname] = [pool.submit(_read_piece, raw, view[i: i + PIECE], begin + i, one)
-                                  for i in range(0, len(view), PIECE)] or [pool.submit(one, view)]
-                out[tname] = own
-                views[tname] = view
-            else:
-                try:
-                    hashed[tname] = [_read_piece(raw, scratch[: min(PIECE, nbytes - i)], begin + i, one)
-                                     for i in range(0, nbytes, PIECE)] or [one(b"")]
-                except EOFError:
-                    raise CheckpointError(path, "truncated: the file ends inside a tensor's data") from None
-                views[tname] = nbytes
-        try:
-            hashed.update({n: [x.result() for x in fs] for n, fs in futures.items()})
-        except EOFError:
-            raise CheckpointError(path, "truncated: the file ends inside a tensor's data") from None
-    if keep is False:
-        return None, views, hashed
-    return {n: own if as_numpy and table[n]["kind"] == "torch" else _final(own, table[n], torch_file and not as_numpy)
-            for n, own in out.items()}, views, hashed  # once read
 
 
 MAX_HEADER = 100_000_000  # bytes of a safetensors header, at most (safetensors' own limit)
@@ -330,7 +258,7 @@ def _safetensors_header(name: str, size: int, path: Any) -> tuple[dict, dict]:
     for key, v in header.items():
         try:
             dtype, shape, (begin, end) = v["dtype"], v["shape"], v["data_offsets"]
-            if dtype not in _ST_DTYPES or type(shape) is not list or len(shape) > MAX_DIMS \
+            if dtype not in ST_DTYPES or type(shape) is not list or len(shape) > MAX_DIMS \
                     or not all(type(d) is int and d >= 0 for d in shape):
                 raise ValueError("dtype or shape")
             if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= size - data):
@@ -339,92 +267,3 @@ def _safetensors_header(name: str, size: int, path: Any) -> tuple[dict, dict]:
             raise bad(f"tensor {key!r:.80}: {str(err)[:80]}") from None
         entries[key] = (dtype, shape, data + begin, data + end)
     return metadata, entries
-
-
-# the bytes of one item of each torch dtype a file may name, known without importing torch (show, sizes)
-TORCH_ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
-                  "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8,
-                  "complex128": 16, "complex32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
-                  "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "qint8": 1, "quint8": 1, "qint32": 4}
-
-
-def _itemsize(info: dict) -> int:
-    if info["kind"] == "numpy":
-        return numpy_dtype(info["dtype"]).itemsize
-    size = TORCH_ITEMSIZE.get(info["dtype"]) if isinstance(info["dtype"], str) else None
-    if size is None:
-        raise ValueError(f"unknown torch dtype {info['dtype']!r:.40}")
-    return size
-
-
-def _nbytes(info: dict) -> int:
-    count = 1
-    for n in info["shape"]:
-        count *= n
-    return count * _itemsize(info)
-
-
-def _empty(info: dict, torch_file: bool) -> Any:
-    """Memory of its own for a tensor of the table (as safetensors holds it: raw ones as bytes)."""
-    import numpy as np
-
-    if torch_file:
-        import torch
-
-        dtype = torch.uint8 if info.get("raw") else torch.from_numpy(np.empty(0, numpy_dtype(info["dtype"]))).dtype \
-            if info["kind"] == "numpy" else torch_dtypes()[info["dtype"]]
-        return torch.empty([_nbytes(info)] if info.get("raw") else info["shape"], dtype=dtype)
-    if info.get("raw"):
-        return np.empty(_nbytes(info), dtype=np.uint8)
-    return np.empty(info["shape"], dtype=numpy_dtype(info["dtype"]))
-
-
-def _read_piece(raw, view: memoryview, offset: int, one) -> bytes:
-    """Read len(view) bytes of raw at offset into view (EOFError if the file ends first); their hash."""
-    fd, done = raw.fileno(), 0
-    while done < len(view):
-        if _preadv is not None:
-            n = _preadv(fd, [view[done:]], offset + done)
-        else:  # no positional reads (Windows): one reader at a time
-            with _seeking:
-                raw.seek(offset + done)
-                n = raw.readinto(view[done:])
-        if not n:
-            raise EOFError
-        done += n
-    return one(view)
-
-
-_preadv = getattr(os, "preadv", None)
-_seeking = threading.Lock()
-
-
-def _stored(info: dict, torch_file: bool) -> tuple:
-    """(dtype, shape) of a table entry as the safetensors tensor holds it."""
-    shape = info.get("shape")
-    if type(shape) is not list or len(shape) > MAX_DIMS or not all(type(n) is int and 0 <= n < 1 << 62 for n in shape):
-        raise ValueError("bad shape in the tensor table")
-    if not info.get("raw"):
-        return info["dtype"], shape
-    count = 1
-    for n in shape:
-        count *= n
-    return ("uint8" if torch_file else "|u1"), [count * _itemsize(info)]
-
-
-def _final(own: Any, info: dict, torch_file: bool) -> Any:
-    """A loaded tensor as the run had it: reinterpreted when raw, a numpy array when it was one."""
-    if info["kind"] == "numpy":
-        arr = own.numpy() if torch_file else own
-        if info.get("raw"):
-            arr = arr.view(numpy_dtype(info["dtype"])).reshape(info["shape"])
-        if info.get("order") == "F":
-            import numpy as np
-
-            arr = np.asfortranarray(arr)
-        return arr
-    if info.get("raw"):
-        return own.view(torch_dtypes()[info["dtype"]]).reshape(info["shape"])
-    return own
-
-

@@ -42,14 +42,12 @@ import sys
 import types
 from typing import Any
 
-from ..base.errors import CheckpointError
 from ..machine.depends import Depends
 from ..program.elements import CALL, Element
 from ..program.paths import format_path, walk
 from ..program.registers import Register, Registers
 from ..base.environment import global_generator_name
-from .statedecoder import Decoder, device_name
-from .statevalues import MISSING, Encoder, Refused, type_name
+from .statevalues import Encoder, Refused, type_name
 
 HINT = ("give its class state_dict() and load_state_dict() (a dict of numbers, strings, arrays and tensors), "
         "or save the run with flowvm.save (a pickle)")
@@ -84,12 +82,32 @@ def _fields(el: Element, loc: str, sep: str, out: list) -> None:
 
 
 def _visit(v: Any, loc: str, strict: bool, kids: set, out: list, depth: int) -> None:
-    if depth > 40 or is_constant(v) or isinstance(v, (Register, Registers)) or _global(v):
+    if depth > 40 or _inert(v):
         return
     if isinstance(v, Element):
         if id(v) not in kids:  # an element held outside the tree (a FUSED's calls): what it reaches
             _fields(v, loc, ".", out)
         return
+    if isinstance(v, (Depends, functools.partial, types.MethodType, types.BuiltinMethodType, types.FunctionType)):
+        return _visit_callable(v, loc, strict, kids, out, depth)
+    if isinstance(v, _CODE):
+        return
+    if isinstance(v, tuple) or type(v) in (list, dict) and not _data(v, 0):
+        items = v.items() if type(v) is dict else enumerate(v)  # a tuple's items, each; a list's of more than data
+        for k, x in items:
+            _visit(x, f"{loc}.{k}" if isinstance(k, (str, int)) else f"{loc}.{k!r:.40}", strict, kids, out, depth + 1)
+        return
+    if strict or _stateful(v, False):
+        out.append((loc, v))
+
+
+def _inert(v: Any) -> bool:
+    """A value that holds no state of the run: a constant, a register, a global random generator."""
+    return is_constant(v) or isinstance(v, (Register, Registers)) or _global(v)
+
+
+def _visit_callable(v: Any, loc: str, strict: bool, kids: set, out: list, depth: int) -> None:
+    """What a Depends, a partial, a method or a function reaches: its arguments, its self."""
     if isinstance(v, Depends):
         return _visit(v.dependency, f"{loc}.dependency", strict, kids, out, depth + 1)
     if isinstance(v, functools.partial):
@@ -107,24 +125,9 @@ def _visit(v: Any, loc: str, strict: bool, kids: set, out: list, depth: int) -> 
                 and _stateful(owner, False):
             out.append((f"{loc}.self", owner))
         return
-    if isinstance(v, types.FunctionType):
-        owner = _patched_owner(v)  # an optimizer's step wrapped by an LR scheduler
-        if owner is not None:
-            _visit(owner, f"{loc}.self", strict, kids, out, depth + 1)
-        return
-    if isinstance(v, _CODE):
-        return
-    if isinstance(v, tuple):
-        for i, x in enumerate(v):
-            _visit(x, f"{loc}.{i}", strict, kids, out, depth + 1)
-        return
-    if type(v) in (list, dict) and not _data(v, 0):
-        items = v.items() if type(v) is dict else enumerate(v)
-        for k, x in items:
-            _visit(x, f"{loc}.{k}" if isinstance(k, (str, int)) else f"{loc}.{k!r:.40}", strict, kids, out, depth + 1)
-        return
-    if strict or _stateful(v, False):
-        out.append((loc, v))
+    owner = _patched_owner(v)  # a function: an optimizer's step wrapped by an LR scheduler
+    if owner is not None:
+        _visit(owner, f"{loc}.self", strict, kids, out, depth + 1)
 
 
 def is_constant(v: Any) -> bool:
@@ -205,19 +208,15 @@ def encode_object(enc: Encoder, v: Any, where: str) -> dict:
     """The node of an object (Encoder's hook for what is not plain data), or Refused."""
     kind = _generator_kind(v)
     if kind is not None:
-        node: dict = {kind: None}
-        enc.remember(v, node)
-        if kind == "numpy_generator":
-            node["bit_generator"] = type(v.bit_generator).__name__
-            node[kind] = enc.value(v.bit_generator.state, f"{where}/state")
-        elif kind == "numpy_random_state":
-            node[kind] = enc.value(v.get_state(legacy=False), f"{where}/state")
-        elif kind == "python_random":
-            node[kind] = enc.value(v.getstate(), f"{where}/state")
-        else:
-            node[kind] = enc.value(bytes(v.get_state().numpy()), f"{where}/state")
-            node["device"] = str(v.device)
-        return node
+        return _encode_generator(enc, v, kind, where)
+    _refuse_unheld(enc, v, where)
+    if has_state_dict(v):
+        return _encode_state_dict(enc, v, where)
+    return _encode_attributes(enc, v, where)
+
+
+def _refuse_unheld(enc: Encoder, v: Any, where: str) -> None:
+    """Refused for code, and for objects where only plain data is held (registers, frames)."""
     if isinstance(v, _CODE):
         name = getattr(v, "__qualname__", None) or getattr(v, "__name__", None) or type_name(v)
         kind = "a class" if isinstance(v, type) else "a module" if isinstance(v, types.ModuleType) else "a function"
@@ -231,30 +230,15 @@ def encode_object(enc: Encoder, v: Any, where: str) -> dict:
                       "objects whose attributes are such data; an object with state_dict() is restored into the "
                       "one the rebuilt program has, so it must be reached by a CALL (its fn, the self of its "
                       "method, or an argument)")
-    if has_state_dict(v):
-        node = {"state_dict": None, "type": type(v).__qualname__}
-        enc.remember(v, node)
-        try:
-            state = v.state_dict()
-        except Exception as err:
-            raise Refused(where, f"a {type_name(v)} whose state_dict() raised {type(err).__name__}: {err}") from err
-        allowed, enc.objects_allowed = enc.objects_allowed, False
-        try:
-            node["state_dict"] = enc.value(state, f"{where}/state_dict")
-            torch = sys.modules.get("torch")
-            if torch is not None and isinstance(v, torch.nn.Module):
-                grads = {n: p.grad for n, p in v.named_parameters() if p.grad is not None}
-                if grads:
-                    node["grads"] = enc.value(grads, f"{where}/grad")
-                node["training"] = [[n, m.training] for n, m in v.named_modules()]
-        finally:
-            enc.objects_allowed = allowed
-        return node
+
+
+def _encode_attributes(enc: Encoder, v: Any, where: str) -> dict:
+    """An object whose state is its attributes (code and constants are kept as the rebuilt program has them)."""
     if not _plain(v):
         what = "a file handle" if isinstance(v, io.IOBase) else "an object with __slots__" \
             if hasattr(v, "__dict__") and not isinstance(v, _CODE) else "an object without attributes"
         raise Refused(where, f"{what} ({type_name(v)})", HINT)
-    node = {"attributes": None, "type": type(v).__qualname__}
+    node: dict = {"attributes": None, "type": type(v).__qualname__}
     enc.remember(v, node)
     attrs = []
     for name, x in vars(v).items():
@@ -263,6 +247,44 @@ def encode_object(enc: Encoder, v: Any, where: str) -> dict:
             continue  # code and constants: as the rebuilt program has them
         attrs.append([name, enc.value(x, f"{where}/{name}")])
     node["attributes"] = attrs
+    return node
+
+
+def _encode_generator(enc: Encoder, v: Any, kind: str, where: str) -> dict:
+    node: dict = {kind: None}
+    enc.remember(v, node)
+    if kind == "numpy_generator":
+        node["bit_generator"] = type(v.bit_generator).__name__
+        node[kind] = enc.value(v.bit_generator.state, f"{where}/state")
+    elif kind == "numpy_random_state":
+        node[kind] = enc.value(v.get_state(legacy=False), f"{where}/state")
+    elif kind == "python_random":
+        node[kind] = enc.value(v.getstate(), f"{where}/state")
+    else:
+        node[kind] = enc.value(bytes(v.get_state().numpy()), f"{where}/state")
+        node["device"] = str(v.device)
+    return node
+
+
+def _encode_state_dict(enc: Encoder, v: Any, where: str) -> dict:
+    """An object with state_dict(): its state, and a torch module's gradients and train/eval flags."""
+    node: dict = {"state_dict": None, "type": type(v).__qualname__}
+    enc.remember(v, node)
+    try:
+        state = v.state_dict()
+    except Exception as err:
+        raise Refused(where, f"a {type_name(v)} whose state_dict() raised {type(err).__name__}: {err}") from err
+    allowed, enc.objects_allowed = enc.objects_allowed, False
+    try:
+        node["state_dict"] = enc.value(state, f"{where}/state_dict")
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(v, torch.nn.Module):
+            grads = {n: p.grad for n, p in v.named_parameters() if p.grad is not None}
+            if grads:
+                node["grads"] = enc.value(grads, f"{where}/grad")
+            node["training"] = [[n, m.training] for n, m in v.named_modules()]
+    finally:
+        enc.objects_allowed = allowed
     return node
 
 
@@ -275,170 +297,3 @@ def _plain(v: Any) -> bool:
 def _slots(cls: type) -> tuple:
     s = cls.__dict__.get("__slots__", ())
     return (s,) if isinstance(s, str) else tuple(s)
-
-
-# ====================================================================== reading
-_BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
-
-
-def restore_object(dec: Decoder, have: Any, node: dict, where: str) -> Any:
-    """Decoder's hook: the state of node restored into have (the rebuilt program's object), returned."""
-    kind = next((k for k in ("numpy_generator", "numpy_random_state", "python_random", "torch_generator",
-                             "state_dict", "attributes") if k in node), None)
-    if kind is None:
-        raise dec.error(where, f"malformed node with keys {sorted(node)[:4]}")
-    state = node[kind]
-    if kind in ("state_dict", "attributes"):
-        return _restore_into(dec, have, node, kind, where)
-    if _generator_kind(have) != kind:
-        have = _new_generator(dec, kind, node, where)
-    dec.keep(node, have)
-    state = dec.value(state, f"{where}/state")
-    try:
-        if kind == "numpy_generator":
-            have.bit_generator.state = state
-        elif kind == "numpy_random_state":
-            have.set_state(state)
-        elif kind == "python_random":
-            version, internal, gauss = state
-            have.setstate((version, tuple(internal), gauss))
-        else:
-            import torch
-
-            have.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    except Exception as err:
-        raise dec.error(where, f"the saved state does not fit the generator here ({type(err).__name__}: {err})") \
-            from None
-    return have
-
-
-def _new_generator(dec: Decoder, kind: str, node: dict, where: str) -> Any:
-    if kind == "python_random":
-        return random.Random()
-    if kind == "torch_generator":
-        import torch
-
-        try:
-            return torch.Generator(device=torch.device(device_name(node.get("device", "cpu"))))
-        except (ValueError, RuntimeError) as err:
-            raise dec.error(where, f"a torch generator on {node.get('device')!r:.40}, which this process cannot "
-                                   f"make ({str(err).strip()[:120]})") from None
-    import numpy as np
-
-    if kind == "numpy_random_state":
-        return np.random.RandomState()
-    name = node.get("bit_generator")
-    if name not in _BIT_GENERATORS:
-        raise dec.error(where, f"unknown numpy bit generator {name!r:.40}")
-    return np.random.Generator({"PCG64": np.random.PCG64, "PCG64DXSM": np.random.PCG64DXSM,
-                                "MT19937": np.random.MT19937, "Philox": np.random.Philox,
-                                "SFC64": np.random.SFC64}[name]())
-
-
-def _restore_into(dec: Decoder, have: Any, node: dict, kind: str, where: str) -> Any:
-    saved = node.get("type")
-    if type(saved) is not str:
-        raise dec.error(where, "malformed object node")
-    if kind == "attributes" and (have is MISSING or type(have).__qualname__ != saved or not _plain(have)):
-        cls = (dec.classes or {}).get(saved)  # an object the run made (a result): of a class the caller names
-        if cls is None:
-            here = "does not have" if have is MISSING else f"has a {type_name(have)} there"
-            raise dec.error(where, f"the saved run holds a {saved} here, which the rebuilt program {here}; to "
-                                   f"rebuild it from its attributes, name its class: load_state(..., "
-                                   f"classes=[{saved}]) (a state file makes objects of the classes you name only)")
-        try:
-            have = cls.__new__(cls)
-        except Exception as err:
-            raise dec.error(where, f"cannot make a {saved} without its constructor ({type(err).__name__}: "
-                                   f"{err})") from None
-    if have is MISSING or not has_state_dict(have) and kind == "state_dict":
-        here = "nothing" if have is MISSING else f"a {type_name(have)} without load_state_dict()"
-        raise dec.error(where, f"the saved run has a {saved} here; the rebuilt program has {here} to restore it into")
-    if type(have).__qualname__ != saved:
-        raise dec.error(where, f"the saved run has a {saved} here; the rebuilt program has a {type_name(have)}")
-    dec.keep(node, have)
-    if kind == "attributes":
-        _restore_attributes(dec, have, node["attributes"], where)
-        return have
-    state = dec.value(node["state_dict"], f"{where}/state_dict")
-    try:
-        have.load_state_dict(state)
-    except Exception as err:
-        raise dec.error(where, f"{saved}.load_state_dict refused the saved state ({type(err).__name__}: "
-                               f"{str(err).strip()[:300]})") from None
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(have, torch.nn.Module):
-        grads = dec.value(node["grads"], f"{where}/grad") if "grads" in node else {}
-        for name, p in have.named_parameters():
-            g = grads.get(name)
-            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
-        flags = dict((n, f) for n, f in node.get("training", []) if type(f) is bool)
-        for name, m in have.named_modules():
-            if name in flags:
-                m.training = flags[name]
-    return have
-
-
-def _restore_attributes(dec: Decoder, have: Any, pairs: Any, where: str) -> None:
-    """Set the saved attributes on have: never one its class defines (a method, a property: the file
-    would shadow the object's code), and, where have already holds the attribute, only a value of the same
-    kind (an array stays an array, an object's own generator is not swapped for a global one)."""
-    if type(pairs) is not list:
-        raise dec.error(where, "malformed attributes")
-    cls = type(have)
-    for pair in pairs:
-        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str or not pair[0].isidentifier() \
-                or pair[0].startswith("__"):
-            raise dec.error(where, f"malformed attribute {pair!r:.60}")
-        name, x = pair
-        old = have.__dict__.get(name, MISSING)
-        if old is MISSING and hasattr(cls, name):
-            raise dec.error(f"{where}/{name}", f"the file sets {name!r} on a {type_name(have)}, whose class "
-                                               f"defines it ({type_name(getattr(cls, name, None))}): refused")
-        value = dec.restore(old, x, f"{where}/{name}")
-        if old is not MISSING and not _same_kind(old, value):
-            raise dec.error(f"{where}/{name}", f"the file puts a {type_name(value)} where the rebuilt program's "
-                                               f"{type_name(have)} holds a {type_name(old)}")
-        have.__dict__[name] = value
-
-
-def _same_kind(old: Any, new: Any) -> bool:
-    """Whether an attribute may go from old (the rebuilt program's) to new (the file's)."""
-    import numbers
-
-    if old is None or new is None or type(old) is type(new):
-        return global_generator_name(new) is None or global_generator_name(old) is not None
-    plain_number = (lambda v: isinstance(v, numbers.Number) and type(v) is not bool and not _array_like(v))
-    return plain_number(old) and plain_number(new)
-
-
-def check_program_objects(dec: Decoder, saved: list, program: Element, path: Any) -> None:
-    """Restore the saved objects' states into the program's own, location by location (see roots)."""
-    here = dict(roots(program))
-    for item in saved:
-        if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
-            raise CheckpointError(path, "malformed: the objects table cannot be read")
-        loc, node = item
-        where = f"objects/{loc}"
-        have = here.get(loc, MISSING)
-        if type(node) is dict and "ref" in node:
-            shared = dec.value(node, where)
-            if have is not MISSING and have is not shared:
-                raise CheckpointError(path, f"{where}: the saved run used one object here and at an earlier "
-                                            "location; the rebuilt program has two different objects")
-            continue
-        if have is MISSING:
-            if type(node) is dict and any(k in node for k in ("state_dict", "attributes")):
-                raise CheckpointError(path, f"{where}: the saved run has a {node.get('type')} here, which the "
-                                            "rebuilt program does not reach")
-            dec.value(node, where)  # data the rebuilt program no longer holds here: only its references count
-            continue
-        got = dec.restore(have, node, where)
-        if got is not have:
-            raise CheckpointError(path, f"{where}: the saved state does not fit the rebuilt program's "
-                                        f"{type_name(have)} here ({_shape(have)} vs {_shape(got)})")
-
-
-def _shape(v: Any) -> str:
-    shape = getattr(v, "shape", None)
-    return f"{type_name(v)} of shape {tuple(shape)} and dtype {v.dtype}" if shape is not None else type_name(v)

@@ -173,38 +173,60 @@ class Encoder:
             return v if math.isfinite(v) else {"float": _float_text(v)}
         if id(v) in self._ids:
             return self._ref(v)
-        if t is list:
-            node: Any = []
-            self.remember(v, node)
-            node.extend(self.value(x, _step(where, i)) for i, x in enumerate(v))
+        plain = _PLAIN.get(t)
+        if plain is not None:
+            return plain(self, v, where)
+        node = self._library_value(v, t, where)
+        if node is not None:
             return node
-        if t is tuple:
-            return {"tuple": [self.value(x, _step(where, i)) for i, x in enumerate(v)]}
-        if t is dict or t is OrderedDict:
-            node = {"dict": None}
-            self.remember(v, node)
-            node["dict"] = [[self.value(k, f"{where} (a key)"), self.value(x, _step(where, k))] for k, x in v.items()]
-            meta = getattr(v, "_metadata", None)  # torch's state_dict versions
-            if t is OrderedDict:
-                node["ordered"] = True
-            if type(meta) is dict:
-                node["torch_metadata"] = self.value(meta, f"{where}/_metadata")
-            return node
-        if t is set or t is frozenset:
-            items = [self.value(x, _step(where, i)) for i, x in enumerate(v)]
-            if t is frozenset:
-                return {"frozenset": items}
-            node = {"set": items}
-            self.remember(v, node)
-            return node
-        if t is bytes:
-            return {"bytes": base64.b64encode(v).decode()}
-        if t is bytearray:
-            node = {"bytearray": base64.b64encode(v).decode()}
-            self.remember(v, node)
-            return node
-        if t is complex:
-            return {"complex": [self.value(v.real, where), self.value(v.imag, where)]}
+        name = global_generator_name(v)
+        if name is not None:
+            return {"global_generator": name}
+        if self.objects is None:
+            raise Refused(where, f"a {type_name(v)}")
+        return self.objects(self, v, where)
+
+    def _list(self, v: list, where: str) -> list:
+        node: list = []
+        self.remember(v, node)
+        node.extend(self.value(x, _step(where, i)) for i, x in enumerate(v))
+        return node
+
+    def _tuple(self, v: tuple, where: str) -> dict:
+        return {"tuple": [self.value(x, _step(where, i)) for i, x in enumerate(v)]}
+
+    def _dict(self, v: dict, where: str) -> dict:
+        node: dict = {"dict": None}
+        self.remember(v, node)
+        node["dict"] = [[self.value(k, f"{where} (a key)"), self.value(x, _step(where, k))] for k, x in v.items()]
+        meta = getattr(v, "_metadata", None)  # torch's state_dict versions
+        if type(v) is OrderedDict:
+            node["ordered"] = True
+        if type(meta) is dict:
+            node["torch_metadata"] = self.value(meta, f"{where}/_metadata")
+        return node
+
+    def _set(self, v: set | frozenset, where: str) -> dict:
+        items = [self.value(x, _step(where, i)) for i, x in enumerate(v)]
+        if type(v) is frozenset:
+            return {"frozenset": items}
+        node = {"set": items}
+        self.remember(v, node)
+        return node
+
+    def _bytes(self, v: bytes, where: str) -> dict:
+        return {"bytes": base64.b64encode(v).decode()}
+
+    def _bytearray(self, v: bytearray, where: str) -> dict:
+        node = {"bytearray": base64.b64encode(v).decode()}
+        self.remember(v, node)
+        return node
+
+    def _complex(self, v: complex, where: str) -> dict:
+        return {"complex": [self.value(v.real, where), self.value(v.imag, where)]}
+
+    def _library_value(self, v: Any, t: type, where: str) -> Any:
+        """The node of a numpy or torch value (None for anything else)."""
         np = sys.modules.get("numpy")
         if np is not None:
             if t is np.ndarray:
@@ -215,21 +237,17 @@ class Encoder:
                 raise Refused(where, f"a {type_name(v)} (a subclass of numpy's ndarray)",
                               "store a plain array (np.asarray)")
         torch = _torch()
-        if torch is not None:
-            if isinstance(v, torch.Tensor):
-                return self.tensor(v, where)
-            if t is torch.dtype:
-                return {"torch_dtype": str(v).removeprefix("torch.")}
-            if t is torch.device:
-                return {"torch_device": str(v)}
-            if t is torch.Size:
-                return {"torch_size": list(v)}
-        name = global_generator_name(v)
-        if name is not None:
-            return {"global_generator": name}
-        if self.objects is None:
-            raise Refused(where, f"a {type_name(v)}")
-        return self.objects(self, v, where)
+        if torch is None:
+            return None
+        if isinstance(v, torch.Tensor):
+            return self.tensor(v, where)
+        if t is torch.dtype:
+            return {"torch_dtype": str(v).removeprefix("torch.")}
+        if t is torch.device:
+            return {"torch_device": str(v)}
+        if t is torch.Size:
+            return {"torch_size": list(v)}
+        return None
 
     def numpy_scalar(self, v: Any, where: str) -> dict:
         dtype = v.dtype
@@ -326,3 +344,9 @@ class Encoder:
         self.data[name] = data
         self._keep.append(data)
         return name
+
+
+# the plain values' types (exactly) -> how Encoder.value encodes them
+_PLAIN = {list: Encoder._list, tuple: Encoder._tuple, dict: Encoder._dict, OrderedDict: Encoder._dict,
+          set: Encoder._set, frozenset: Encoder._set, bytes: Encoder._bytes, bytearray: Encoder._bytearray,
+          complex: Encoder._complex}

@@ -55,54 +55,40 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
 from ..base.errors import CheckpointError
-from .remote import (ATOMIC_STORES, LOCAL_SCHEMES, Reading, dead, filesystem, scheme_of, store_error,
-                     write_and_move, write_in_memory, write_object)
+from .location import Location
+from .remote import ATOMIC_STORES, Reading, dead, store_error, write_and_move, write_in_memory, write_object
 
 __all__ = ["open_write", "read_bytes", "saved_location", "open_read", "read_start", "check_target",
-           "is_url", "local_path"]
+           "is_url", "local_path", "Location"]
 
-# ------------------------------------------------------------------ what a target is
+# ------------------------------------------------------------------ what a target is (see location.py)
 def is_url(target: Any) -> bool:
     """Whether target is a URL handled by fsspec (``file://`` URLs are local paths)."""
-    scheme = scheme_of(target)
-    return scheme is not None and scheme not in LOCAL_SCHEMES
+    return Location.of(target).url is not None
 
 
 def local_path(target: Any) -> Path | None:
-    """The local path target names (a plain path or a ``file://`` URL), or None for another URL.
-
-    ``file:///abs/path`` and ``file://localhost/abs/path`` are absolute; ``file://rel/path`` is relative to
-    the current directory, as fsspec reads it.
-    """
-    scheme = scheme_of(target)
-    if scheme is None:
-        return Path(target)
-    if scheme not in LOCAL_SCHEMES:
-        return None
-    rest = target[len(scheme) + 3:]
-    if rest.startswith("localhost/"):
-        rest = rest[len("localhost"):]
-    return Path(rest)
+    """The local path target names (a plain path or a ``file://`` URL), or None for another URL."""
+    return Location.of(target).path
 
 
 def saved_location(target: Any) -> Any:
     """What save() returns for target: a Path for a local file, the URL (a str) for any other."""
-    path = local_path(target)
-    return path if path is not None else target
+    return Location.of(target).saved
 
 
 # ------------------------------------------------------------------ local files
 @contextmanager
-def _open_write_local(path: Path) -> Iterator[BinaryIO]:
+def _open_write_local(path: Path, given: Any) -> Iterator[BinaryIO]:
     directory = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
-        raise CheckpointError(path, "is a directory; give a file name to save to")
+        raise CheckpointError(given, "is a directory; give a file name to save to")
     if not directory.is_dir():
-        raise CheckpointError(path, f"cannot save: no directory {directory}")
+        raise CheckpointError(given, f"cannot save: no directory {directory}")
     try:
         fd, tmp = _create_temporary(path)
     except OSError as err:
-        raise CheckpointError(path, f"cannot save: {err.strerror or err} in {directory}") from err
+        raise CheckpointError(given, f"cannot save: {err.strerror or err} in {directory}") from err
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -115,7 +101,7 @@ def _open_write_local(path: Path) -> Iterator[BinaryIO]:
         except OSError:
             pass
         if isinstance(err, OSError):  # a full disk, a quota, an immutable file: the previous file is kept
-            raise CheckpointError(path, f"cannot save: {err.strerror or err}; the file there is as it "
+            raise CheckpointError(given, f"cannot save: {err.strerror or err}; the file there is as it "
                                         "was") from err
         raise
     _sync_directory(directory)  # make the rename itself durable
@@ -291,30 +277,30 @@ def write_local_with(path: Path, save_to, target: Any = None) -> None:
 @contextmanager
 def open_write(target: Any) -> Iterator[BinaryIO]:
     """A binary file whose contents replace target atomically when the block ends without an error."""
-    path = local_path(target)
-    if path is not None:
-        with _open_write_local(path) as f:
+    loc = Location.of(target)
+    if loc.path is not None:
+        with _open_write_local(loc.path, loc.given) as f:
             yield f
         return
-    fs, path, scheme = filesystem(target)
-    if scheme == "memory":
-        writer = write_in_memory(fs, path, target)
-    elif scheme in ATOMIC_STORES:
-        writer = write_object(fs, path, target, scheme)
+    fs, path = loc.filesystem()
+    if loc.scheme == "memory":
+        writer = write_in_memory(fs, path, loc.url)
+    elif loc.scheme in ATOMIC_STORES:
+        writer = write_object(fs, path, loc.url, loc.scheme)
     else:
-        writer = write_and_move(fs, path, target)
+        writer = write_and_move(fs, path, loc.url)
     with writer as f:
         yield f
 
 
 def read_bytes(target: Any) -> bytes:
     """The whole contents of target."""
-    path = local_path(target)
-    if path is not None:
-        return _read_local(target, path)
-    fs, path, scheme = filesystem(target)
+    loc = Location.of(target)
+    if loc.path is not None:
+        return _read_local(loc.given, loc.path)
+    fs, path = loc.filesystem()
     try:
-        if scheme in ("s3", "s3a"):
+        if loc.scheme in ("s3", "s3a"):
             # One GET, which sees one version of the object; s3fs's concurrent ranged GETs (for objects
             # over its block size) could mix the old and the new object if a save replaced it meanwhile.
             try:
@@ -323,16 +309,16 @@ def read_bytes(target: Any) -> bytes:
                 return fs.cat_file(path)
         return fs.cat_file(path)
     except Exception as err:
-        raise store_error(target, err) from err
+        raise store_error(loc.url, err) from err
 
 
 def read_start(target: Any, n: int, missing_ok: bool = False) -> bytes | None:
     """The first n bytes of target (all of it when shorter); None if it does not exist and missing_ok."""
+    loc = Location.of(target)
     try:
-        path = local_path(target)
-        if path is not None:
-            return _read_local(target, path, n)
-        with open_read(target) as f:
+        if loc.path is not None:
+            return _read_local(loc.given, loc.path, n)
+        with open_read(loc) as f:
             return f.read(n)
     except CheckpointError as err:
         if missing_ok and err.reason in ("no such file", "no such object"):
@@ -344,19 +330,19 @@ def read_start(target: Any, n: int, missing_ok: bool = False) -> bytes | None:
 def open_read(target: Any) -> Iterator[BinaryIO]:
     """A binary file to read target from (on S3: reads of one version of the object; a replacement while
     it is read is an error, not a mix of the two)."""
-    path = local_path(target)
-    if path is not None:
-        with _reading_errors(target):
-            f = open(path, "rb")
+    loc = Location.of(target)
+    if loc.path is not None:
+        with _reading_errors(loc.given):
+            f = open(loc.path, "rb")
         with f:
             yield f
         return
-    fs, path, _ = filesystem(target)
+    fs, path = loc.filesystem()
     try:
         f = fs.open(path, "rb")
     except Exception as err:
-        raise store_error(target, err) from err
-    with Reading(f, target) as reader:
+        raise store_error(loc.url, err) from err
+    with Reading(f, loc.url) as reader:
         yield reader
 
 
@@ -364,11 +350,11 @@ def check_target(target: Any) -> None:
     """Raise a CheckpointError if target cannot be saved to for a reason known before saving: a directory,
     a missing directory, a URL whose filesystem is not installed, a URL naming a bucket.  Nothing is
     written."""
-    path = local_path(target)
-    if path is not None:
-        if path.is_dir():
-            raise CheckpointError(target, "is a directory; give a file name")
-        if not path.parent.resolve().is_dir():
-            raise CheckpointError(target, f"no directory {path.parent}")
+    loc = Location.of(target)
+    if loc.path is not None:
+        if loc.path.is_dir():
+            raise CheckpointError(loc.given, "is a directory; give a file name")
+        if not loc.path.parent.resolve().is_dir():
+            raise CheckpointError(loc.given, f"no directory {loc.path.parent}")
         return
-    filesystem(target)
+    loc.filesystem()

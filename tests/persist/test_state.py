@@ -626,10 +626,10 @@ def test_a_url_target(tmp_path):
 
 @pytest.mark.parametrize("positional", [True, False])
 def test_tensors_of_many_pieces_load_exactly_with_and_without_positional_reads(tmp_path, monkeypatch, positional):
-    from flowvm.persist import statefile
+    from flowvm.persist import statefile, statetensors
 
     if not positional:
-        monkeypatch.setattr(statefile, "_preadv", None)  # as where os.preadv is missing
+        monkeypatch.setattr(statetensors, "_preadv", None)  # as where os.preadv is missing
     reg = Registers(big=torch.randn(3_000_001), arr=np.random.default_rng(1).standard_normal((1000, 1500)), n=0)
     prog = REPEAT(3, CALL(lambda n: n + 1, reg("n"), store_to=reg("n")))
     drv = prog.start()
