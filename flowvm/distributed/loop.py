@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..base.errors import FlowError
 from . import checkpoints, group
 
 __all__ = ["Synchronized", "DEFAULT_SYNC_EVERY"]
@@ -73,9 +74,19 @@ class Synchronized:
         return n
 
     def _agree(self, stop) -> tuple[int, bool]:
+        """(the signal any rank was asked to stop on, whether a timed save is due), agreed on by every rank,
+        after checking that every rank is at the same step (programs whose step counts differ between ranks,
+        such as loops over Batches of shards of different lengths, would otherwise wait on each other)."""
+        drv = self.drv
         due = (self.location is not None and self.every_seconds is not None
                and time.monotonic() - self.saved_time >= self.every_seconds and group.rank() == 0)
-        signum, due = group.agree(getattr(stop, "signal", None) or 0, int(due))
+        signum, due, most, least, done, running = group.agree(
+            getattr(stop, "signal", None) or 0, int(due), drv.steps, -drv.steps, int(drv.done), int(not drv.done))
+        if most != -least or (done and running):
+            raise FlowError(f"the ranks' runs differ: they are at steps {-least} to {most}"
+                            f"{' and some have finished' if done and running else ''} (rank {group.rank()} at step "
+                            f"{drv.steps}); every rank must take the same steps: give each rank as many batches "
+                            "(Batches(..., drop_last=True), or a sample count that the ranks divide evenly)")
         return signum, bool(due)
 
     def run(self, max_steps: int | None = None) -> int:

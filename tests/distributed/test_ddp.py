@@ -18,6 +18,8 @@ from moto_s3 import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
 
 pytest.importorskip("torch.distributed")
 
+pytestmark = pytest.mark.timeout(300)
+
 PROG = str(Path(__file__).with_name("progs.py"))
 TIMEOUT = 120
 
@@ -41,8 +43,11 @@ def manifest(location: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> str:
-    """The final weights of the uninterrupted two-rank run (hex floats)."""
-    return weights(flowvm("run", PROG, "--nproc", "2"))
+    """The final weights of the uninterrupted two-rank run (hex floats), launched by a plain torchrun."""
+    done = subprocess.run([sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           "2", "-m", "flowvm", "run", PROG, "--progress", "none"],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    return weights(done)
 
 
 def test_resume_at_several_cut_points_is_exact(reference, tmp_path):
