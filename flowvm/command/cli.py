@@ -39,11 +39,10 @@ import signal
 import sys
 from pathlib import Path
 
-from ..persist import checkpoint
-from ..persist import state
+from ..persist.formats import PICKLE, format_of
 from ..base.errors import CheckpointError, FlowError, StoppedDuringStartup
-from .targets import build_program, bundled_programs, load_module
-from .common import KEY_ENV, check_checkpoint_path, check_output, checkpoint_location, finish, is_state, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, trusted_header, write_model
+from .targets import build_program, bundled_programs, load_module, recorded
+from .common import KEY_ENV, check_checkpoint_path, check_output, checkpoint_location, finish, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, trusted_header, write_model
 from .runner import DEFAULT_EVERY_SECONDS, Stop, static_steps
 from .state_commands import cmd_resume_state, cmd_show_checkpoint, cmd_show_state
 from .sweeps import cmd_plot, cmd_sweep, start_dask
@@ -64,11 +63,9 @@ def cmd_run(args) -> int:
     drv = program.start()
     if args.threads is not None:  # instead of what the program declares (with_process_settings)
         drv.resume_with(settings={"torch.threads": args.threads})
-    if is_state(args.checkpoint):
-        state.collect(drv, args.checkpoint)  # a program whose state a file cannot hold is refused before it runs
-    target = args.target
-    if target.endswith(".py") or os.sep in target or "/" in target:
-        target = str(Path(target).resolve())  # so that `flowvm resume` finds it from any directory
+    if args.checkpoint is not None:  # a run the format cannot hold (a function in a state file) is refused now
+        format_of(args.checkpoint).check(drv, args.checkpoint)
+    target = recorded(args.target)  # so that `flowvm resume` finds it from any directory
     meta = {"target": target, "module": module.__name__, "sets": list(args.set), **values,
             "show": list(getattr(module, "SHOW", [])), "threads": threads,
             "every": args.every, "every_seconds": args.every_seconds}
@@ -82,7 +79,7 @@ def cmd_run(args) -> int:
 def cmd_resume(args) -> int:
     if launch.wanted(args):
         return launch.cmd_resume(args)
-    if is_state(args.path):
+    if not format_of(args.path).holds_code:  # the program is built again from the target the file records
         return cmd_resume_state(args)
     if args.program is not None or args.set:
         raise SystemExit("flowvm: --program and --set resume state checkpoints (.safetensors) only")
@@ -97,7 +94,7 @@ def cmd_resume(args) -> int:
         args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
     else:
         meta = dict(meta, every=args.every, every_seconds=args.every_seconds)
-    drv = checkpoint.load(args.path, key=key, restore_settings=not args.keep_settings)
+    drv = PICKLE.load(args.path, key=key, restore_settings=not args.keep_settings)
     if args.threads is not None:
         drv.resume_with(settings={"torch.threads": args.threads})
     target = args.checkpoint if args.checkpoint is not None else args.path
@@ -112,7 +109,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_show(args) -> int:
-    if is_state(args.path):
+    if not format_of(args.path).holds_code:
         return cmd_show_state(args)
     return cmd_show_checkpoint(args)
 
@@ -149,30 +146,39 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowvm", description="Run learning algorithms written as flowvm programs.")
     p.add_argument("--version", action="version", version=f"flowvm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_run_parser, _resume_parser, _show_parser, _verify_parser, _sweep_parser, _plot_parser,
+                _list_parser):
+        add(sub)
+    return p
 
-    def running(sp):
-        sp.add_argument("--history", action="append", default=[], metavar="NAME",
-                        help="also record this register's history (the program's SHOW registers always are)")
-        sp.add_argument("--tensorboard", metavar="DIR", help="write the history as TensorBoard scalars to DIR")
-        sp.add_argument("--output", metavar="PATH", help="when the run finishes, write its fitted model (the "
-                        "program's model(registers)): .npz (its attributes by name), .pt or .safetensors")
-        sp.add_argument("--checkpoint", type=checkpoint_location,
-                        help="save the run to this file or fsspec URL (s3://bucket/key), atomically")
-        sp.add_argument("--every", type=int, metavar="N", help="save every N steps")
-        sp.add_argument("--every-seconds", type=float, metavar="S",
-                        help=f"save every S seconds (default {DEFAULT_EVERY_SECONDS:g} with --checkpoint and "
-                             "no --every)")
-        sp.add_argument("--max-steps", type=int, metavar="N", help="pause (and save) after N more steps")
-        sp.add_argument("--key", help=f"sign checkpoints with this key and require it on load "
-                                      f"(default: ${KEY_ENV})")
-        sp.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
-                        help="a progress bar on a terminal, plain lines otherwise (auto)")
-        sp.add_argument("--progress-every", type=float, default=2.0, metavar="S",
-                        help="seconds between plain progress lines (default 2)")
-        sp.add_argument("--threads", type=int, metavar="N",
-                        help="torch intra-op threads (default: what the program declares, else torch's own; "
-                             "on resume: what the run was saved with)")
 
+def running(sp) -> None:
+    """The options of the commands that run: run, resume, sweep."""
+    sp.add_argument("--history", action="append", default=[], metavar="NAME",
+                    help="also record this register's history (the program's SHOW registers always are)")
+    sp.add_argument("--tensorboard", metavar="DIR", help="write the history as TensorBoard scalars to DIR")
+    sp.add_argument("--output", metavar="PATH", help="when the run finishes, write its fitted model (the "
+                    "program's model(registers)): .npz (its attributes by name), .pt or .safetensors")
+    sp.add_argument("--checkpoint", type=checkpoint_location,
+                    help="save the run to this file or fsspec URL (s3://bucket/key), atomically")
+    sp.add_argument("--every", type=int, metavar="N", help="save every N steps")
+    sp.add_argument("--every-seconds", type=float, metavar="S",
+                    help=f"save every S seconds (default {DEFAULT_EVERY_SECONDS:g} with --checkpoint and "
+                         "no --every)")
+    sp.add_argument("--max-steps", type=int, metavar="N", help="pause (and save) after N more steps")
+    sp.add_argument("--key", help=f"sign checkpoints with this key and require it on load "
+                                  f"(default: ${KEY_ENV})")
+    sp.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
+                    help="a progress bar on a terminal, plain lines otherwise (auto)")
+    sp.add_argument("--progress-every", type=float, default=2.0, metavar="S",
+                    help="seconds between plain progress lines (default 2)")
+    sp.add_argument("--threads", type=int, metavar="N",
+                    help="torch intra-op threads (default: what the program declares, else torch's own; "
+                         "on resume: what the run was saved with)")
+
+
+
+def _run_parser(sub) -> None:
     run = sub.add_parser("run", help="run a program")
     run.add_argument("target", help=TARGET_HELP)
     run.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=SET_HELP)
@@ -183,6 +189,9 @@ def parser() -> argparse.ArgumentParser:
     launch.add_options(run)
     run.set_defaults(func=cmd_run)
 
+
+
+def _resume_parser(sub) -> None:
     resume = sub.add_parser("resume", help="continue a saved run")
     resume.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
     resume.add_argument("--program", metavar="TARGET",
@@ -197,6 +206,9 @@ def parser() -> argparse.ArgumentParser:
     launch.add_options(resume)
     resume.set_defaults(func=cmd_resume)
 
+
+
+def _show_parser(sub) -> None:
     show = sub.add_parser("show", help="print a saved run: program, position, registers")
     show.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
     show.add_argument("--key", help="the key of a signed checkpoint (default: $FLOWVM_CHECKPOINT_KEY)")
@@ -205,11 +217,17 @@ def parser() -> argparse.ArgumentParser:
                            "chooses: only for files from a source you trust)")
     show.set_defaults(func=cmd_show)
 
+
+
+def _verify_parser(sub) -> None:
     verify = sub.add_parser("verify", help="check a program without running it, and print it")
     verify.add_argument("target", help=TARGET_HELP)
     verify.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=SET_HELP)
     verify.set_defaults(func=cmd_verify)
 
+
+
+def _sweep_parser(sub) -> None:
     sweep = sub.add_parser("sweep", help="random search over a program's options, trials in parallel")
     sweep.add_argument("target", help=TARGET_HELP)
     sweep.add_argument("--trials", type=int, default=8, help="configurations to try (default 8)")
@@ -231,6 +249,9 @@ def parser() -> argparse.ArgumentParser:
     running(sweep)
     sweep.set_defaults(func=cmd_sweep)
 
+
+
+def _plot_parser(sub) -> None:
     plot = sub.add_parser("plot", help="draw the history of a saved run's metrics")
     plot.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
     plot.add_argument("names", nargs="*", metavar="NAME", help="metrics to draw (default: every one recorded)")
@@ -239,10 +260,12 @@ def parser() -> argparse.ArgumentParser:
     plot.add_argument("--key", help="the key of a signed checkpoint (or $FLOWVM_CHECKPOINT_KEY)")
     plot.set_defaults(func=cmd_plot)
 
+
+
+def _list_parser(sub) -> None:
     lst = sub.add_parser("list", help="list the bundled programs")
     lst.add_argument("--options", action="store_true", help="also print each program's build() options")
     lst.set_defaults(func=cmd_list)
-    return p
 
 
 def main(argv: list[str] | None = None, early_signals: list[int] | None = None) -> int:
@@ -259,33 +282,42 @@ def main(argv: list[str] | None = None, early_signals: list[int] | None = None) 
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         if args.command not in ("run", "resume", "sweep"):  # nothing to stop at a step boundary
             stop.restore()
-        for name in ("every", "max_steps", "threads"):
-            value = getattr(args, name, None)
-            least = 0 if name == "max_steps" else 1
-            if value is not None and value < least:
-                raise SystemExit(f"flowvm: --{name.replace('_', '-')} must be >= {least}")
-        if getattr(args, "every_seconds", None) is not None and not args.every_seconds > 0:
-            raise SystemExit("flowvm: --every-seconds must be > 0")
-        if args.command == "run" and args.checkpoint is None and (args.every or args.every_seconds):
-            raise SystemExit("flowvm: --every and --every-seconds need --checkpoint PATH (where to save)")
-        try:
-            return args.func(args)
-        except StoppedDuringStartup as stopped:
-            return _stopped_during_startup(stopped.signum)
-        except (CheckpointError, FlowError) as err:
-            print(f"flowvm: {err}", file=sys.stderr)
-            return 2
-        except BrokenPipeError:  # `flowvm show run.ckpt | head`
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 141
-        except KeyboardInterrupt as err:  # raised by the program, or a second Ctrl-C
-            notes = "".join(f"\n{note}" for note in getattr(err, "__notes__", ()))
-            print(f"flowvm: interrupted (KeyboardInterrupt){notes}", file=sys.stderr)
-            return 128 + signal.SIGINT
-        except SystemExit as err:  # the program called sys.exit(): exit as it asked, once saved
-            for note in getattr(err, "__notes__", ()):
-                print(note, file=sys.stderr)
-            raise
+        _check_counts(args)
+        return _call(args)
+
+
+def _check_counts(args) -> None:
+    for name in ("every", "max_steps", "threads"):
+        value = getattr(args, name, None)
+        least = 0 if name == "max_steps" else 1
+        if value is not None and value < least:
+            raise SystemExit(f"flowvm: --{name.replace('_', '-')} must be >= {least}")
+    if getattr(args, "every_seconds", None) is not None and not args.every_seconds > 0:
+        raise SystemExit("flowvm: --every-seconds must be > 0")
+    if args.command == "run" and args.checkpoint is None and (args.every or args.every_seconds):
+        raise SystemExit("flowvm: --every and --every-seconds need --checkpoint PATH (where to save)")
+
+
+def _call(args) -> int:
+    """The command's function, its errors as the command's messages and exit statuses."""
+    try:
+        return args.func(args)
+    except StoppedDuringStartup as stopped:
+        return _stopped_during_startup(stopped.signum)
+    except (CheckpointError, FlowError) as err:
+        print(f"flowvm: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `flowvm show run.ckpt | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt as err:  # raised by the program, or a second Ctrl-C
+        notes = "".join(f"\n{note}" for note in getattr(err, "__notes__", ()))
+        print(f"flowvm: interrupted (KeyboardInterrupt){notes}", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except SystemExit as err:  # the program called sys.exit(): exit as it asked, once saved
+        for note in getattr(err, "__notes__", ()):
+            print(note, file=sys.stderr)
+        raise
 
 
 def _stopped_during_startup(signum: int) -> int:

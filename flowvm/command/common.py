@@ -11,9 +11,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..persist import checkpoint
 from ..persist import storage
-from ..persist import state
+from ..persist.location import Location
+from ..persist.formats import MAGIC_BYTES, PICKLE, STATE, format_of
 from ..machine.driver import Driver
 from ..base.errors import CheckpointError
 from .targets import load_module
@@ -60,16 +60,21 @@ def finish(drv: Driver, module: ModuleType | None, ckpt: Path | str | None, sign
     print(report(drv.registers) if report is not None else registers_summary(drv.registers))
 
 
+def _shape(value: Any) -> tuple | None:
+    """The shape of an array or tensor (not of the ndarray class itself), else None."""
+    shape = None if isinstance(value, type) else getattr(value, "shape", None)
+    try:
+        return tuple(int(n) for n in shape) if shape is not None and not callable(shape) else None
+    except (TypeError, ValueError):
+        return None
+
+
 def describe_value(value: Any) -> tuple[str, str]:
     """(type, detail) of a register value: shape and dtype for arrays, length for containers."""
     from ..program.printer import fmt
 
     kind = type(value).__name__
-    shape = None if isinstance(value, type) else getattr(value, "shape", None)  # not the ndarray class itself
-    try:
-        shape = tuple(int(n) for n in shape) if shape is not None and not callable(shape) else None
-    except (TypeError, ValueError):
-        shape = None
+    shape = _shape(value)
     if shape is not None:
         dtype = str(getattr(value, "dtype", "")).replace("torch.", "")
         if shape == ():  # a scalar (a loss): its value
@@ -117,18 +122,17 @@ def trusted_header(args, path: Path | str) -> tuple[dict, str | None]:
     A signed file is only read with its key (and stays signed); with a key the
     signature is checked first, since the header names the module to import.
     """
-    key = key_of(args)
-    header = checkpoint.read_header(path)
+    key, read_header = key_of(args), format_of(path).read_header
+    header = read_header(path)
     if header.get("signed") and key is None:
         raise SystemExit(f"flowvm: {path} is signed: give its key with --key or ${KEY_ENV}")
     if key is not None:
-        header = checkpoint.read_header(path, key=key)
+        header = read_header(path, key=key)
     return header, key
 
 
 def runner_for(args, drv: Driver, meta: dict, ckpt: Path | str | None) -> Runner:
-    kind = StateRunner if is_state(ckpt) else Runner
-    return kind(drv, meta.get("show", []), ckpt, args.every, args.every_seconds, meta, key_of(args),
+    return Runner(drv, meta.get("show", []), ckpt, args.every, args.every_seconds, meta, key_of(args),
                 args.progress, args.progress_every, getattr(args, "stop", None), args.history, args.tensorboard)
 
 
@@ -141,7 +145,8 @@ def set_threads(threads: int | None) -> None:
 def checkpoint_location(text: str) -> Path | str:
     """A --checkpoint or resume/show argument: a URL stays a str (a Path would collapse its ``//``); a
     ``file://`` URL and a plain path become a Path."""
-    return text if storage.is_url(text) else storage.local_path(text)
+    loc = Location.of(text)
+    return loc.url if loc.url is not None else loc.path
 
 
 def check_checkpoint_path(path: Path | str | None) -> None:
@@ -151,7 +156,7 @@ def check_checkpoint_path(path: Path | str | None) -> None:
         # save: say so now, not after the first interval.
         try:
             storage.check_target(path)
-            storage.read_start(path, len(checkpoint.MAGIC), missing_ok=True)
+            storage.read_start(path, MAGIC_BYTES, missing_ok=True)
         except CheckpointError as err:
             raise SystemExit(f"flowvm: --checkpoint {path}: {err.reason}") from None
         return
@@ -167,11 +172,11 @@ def refuse_to_overwrite(path: Path | str | None, force: bool) -> None:
     no checkpoint at all."""
     if path is None or force:
         return
-    if is_state(path):
+    if not format_of(path).holds_code:
         return refuse_to_overwrite_state(path)
     if isinstance(path, str):  # a URL: read through the store (check_checkpoint_path named its problems)
         try:
-            start = storage.read_start(path, len(checkpoint.MAGIC), missing_ok=True)
+            start = storage.read_start(path, MAGIC_BYTES, missing_ok=True)
         except CheckpointError as err:
             raise SystemExit(f"flowvm: --checkpoint {path}: {err.reason}") from None
         if start is None:
@@ -181,14 +186,14 @@ def refuse_to_overwrite(path: Path | str | None, force: bool) -> None:
             return
         try:
             with open(path, "rb") as f:
-                start = f.read(len(checkpoint.MAGIC))
+                start = f.read(MAGIC_BYTES)
         except OSError:
             return  # a directory or an unreadable path: saving names the problem
-    if start and not checkpoint.MAGIC.startswith(start[:len(checkpoint.MAGIC)]):
+    if start and not PICKLE.starts_like(start):
         raise SystemExit(f"flowvm: {path} exists and is not a flowvm checkpoint; choose another --checkpoint "
                          "path, or pass --force to replace it")
     try:
-        header = checkpoint.read_header(path)
+        header = PICKLE.read_header(path)
     except CheckpointError:
         return  # a damaged checkpoint: nothing to lose
     if not header.get("done"):
@@ -212,22 +217,10 @@ def module_of(meta: dict) -> ModuleType | None:
 
 
 # ------------------------------------------------------------------ state checkpoints (.safetensors)
-def is_state(path: Path | str | None) -> bool:
-    """Whether a checkpoint location holds a state checkpoint (its suffix chooses the format)."""
-    return path is not None and str(path).endswith(state.SUFFIX)
-
-
-class StateRunner(Runner):
-    """A Runner whose checkpoints are state files (save_state)."""
-
-    def write(self) -> None:
-        state.save_state(self.drv, self.ckpt, key=self.key, meta=self.meta)
-
-
 def refuse_to_overwrite_state(path: Path | str) -> None:
     """As refuse_to_overwrite, for a state file: replace only a finished run or a damaged flowvm state file."""
     try:
-        header = state.read_state_header(path)
+        header = STATE.read_header(path)
     except CheckpointError as err:
         if err.reason in ("no such file", "no such object"):
             return

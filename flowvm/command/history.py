@@ -107,22 +107,27 @@ def plot_history(history: dict, names: list[str], out: str, title: str = "", log
         raise SystemExit(f"flowvm: no history of {', '.join(missing)} in the run (recorded: {known})")
     fig, axes = plt.subplots(len(names), 1, figsize=(7, 2.4 * len(names) + 0.6), sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], names):
-        steps = [p[0] for p in points[name]]
-        values = [p[1] for p in points[name]]
-        marker = "." if len(steps) < 50 else None  # a few points (one, even) still show
-        if isinstance(values[0], list):
-            for k in range(len(values[0])):
-                ax.plot(steps, [v[k] for v in values], marker=marker, label=f"{name}[{k}]")
-            ax.legend(fontsize="small")
-        else:
-            ax.plot(steps, values, marker=marker, label=name)
-        ax.set_ylabel(name)
-        if log:
-            ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
+        _panel(ax, name, points[name], log)
     axes[-1, 0].set_xlabel("step")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     return fig
+
+
+def _panel(ax, name: str, points: list, log: bool) -> None:
+    """One metric's panel: a line, or one line per item of a list-valued metric."""
+    steps = [p[0] for p in points]
+    values = [p[1] for p in points]
+    marker = "." if len(steps) < 50 else None  # a few points (one, even) still show
+    if isinstance(values[0], list):
+        for k in range(len(values[0])):
+            ax.plot(steps, [v[k] for v in values], marker=marker, label=f"{name}[{k}]")
+        ax.legend(fontsize="small")
+    else:
+        ax.plot(steps, values, marker=marker, label=name)
+    ax.set_ylabel(name)
+    if log:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)

@@ -6,8 +6,8 @@ terminal) or prints a plain progress line (otherwise), saves the run when
 ``every`` steps or ``every_seconds`` seconds have passed since the last save,
 and checks whether SIGINT or SIGTERM asked it to stop.  It also saves when a
 step raises (the saved run retries that step), when it pauses and at the end.
-``ckpt`` is a local Path or an fsspec URL (a str): checkpoint.save writes either
-through flowvm.persist.storage, atomically.
+``ckpt`` is a local Path or an fsspec URL (a str): the format its suffix chooses writes it through
+flowvm.persist.storage, atomically.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .history import History
-from ..persist import checkpoint
+from ..persist.formats import format_of
 from ..persist.lock import holding
 from ..machine.driver import Driver
 from ..program.analysis import static_steps
@@ -93,6 +93,7 @@ class Runner:
                  progress: str = "auto", progress_every: float = 2.0, stop: Stop | None = None,
                  history: list[str] | None = None, tensorboard: str | None = None):
         self.drv, self.show, self.ckpt, self.every, self.meta, self.key = drv, show, ckpt, every, meta or {}, key
+        self.format = format_of(ckpt) if ckpt is not None else None
         self.history_names = list(show) + list(history or [])
         self.tensorboard = tensorboard
         self.stop = stop  # the command's, installed since its start; else run() installs its own
@@ -116,8 +117,8 @@ class Runner:
             self.saved_step, self.saved_time = self.drv.steps, time.monotonic()
 
     def write(self) -> None:
-        """Write the checkpoint (a pickle; StateRunner: a state file)."""
-        checkpoint.save(self.drv, self.ckpt, key=self.key, meta=self.meta)
+        """Write the checkpoint, in the format its suffix chooses (flowvm.persist.formats)."""
+        self.format.save(self.drv, self.ckpt, key=self.key, meta=self.meta)
 
     def line(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -139,79 +140,95 @@ class Runner:
         self.saved_step, self.saved_time = drv.steps, time.monotonic()
         self.start_step, self.start_time = drv.steps, time.monotonic()
         limit = None if max_steps is None else drv.steps + max_steps
-        bar = None
-        if self.mode == "bar":
-            from tqdm import tqdm
-
-            bar = tqdm(initial=drv.steps, total=self.total, unit="step", dynamic_ncols=True, file=sys.stderr)
-        elif self.mode == "lines":
-            where = f", saving to {self.ckpt}" if self.ckpt is not None else ""
-            self.line(f"flowvm: running from step {drv.steps}{where}")
-        last_line = time.monotonic()
-        chunk = 1
+        self.bar = self._start_progress()
+        self.last_line, self.chunk = time.monotonic(), 1
         history = History(drv, self.meta, self.history_names, self.tensorboard)
         with contextlib.nullcontext(self.stop) if self.stop is not None else Stop(running=True) as stop, \
                 contextlib.closing(history):
             stop.running = True  # from here a signal stops the run at a step boundary, saved
             try:
                 while not drv.done and stop.signal is None and (limit is None or drv.steps < limit):
-                    n = chunk
-                    if self.every is not None and self.ckpt is not None:
-                        n = max(1, min(n, self.saved_step + self.every - drv.steps))
-                    if limit is not None:
-                        n = min(n, limit - drv.steps)
-                    t0 = time.monotonic()
-                    before = drv.steps
-                    if self.timed:  # returns within about 50 ms, also while it waits on a SPAWN or POPEN
-                        drv.run(max_steps=n, timeout=0.05)
-                    else:
-                        drv.run(max_steps=n)
-                    took = time.monotonic() - t0
-                    history.sync()
-                    # chunks of about 50 ms keep signals and output responsive
-                    chunk = max(1, min(chunk * 2, _MAX_CHUNK, int(n * 0.05 / took) if took > 0 else _MAX_CHUNK))
-                    now = time.monotonic()
-                    if bar is not None:
-                        bar.update(drv.steps - before)
-                        bar.set_postfix_str(shown(drv, self.show), refresh=False)
-                    elif self.mode == "lines" and now - last_line >= self.progress_every:
-                        self.line(self.progress_line())
-                        last_line = now
-                    if self.ckpt is not None and not drv.done and (
-                            (self.every is not None and drv.steps - self.saved_step >= self.every)
-                            or (self.every_seconds is not None and now - self.saved_time >= self.every_seconds)):
-                        self.save()
+                    self._chunk(limit, history)
             except BaseException as err:  # an error, or SystemExit or KeyboardInterrupt raised by the program
-                if bar is not None:
-                    bar.close()
-                if isinstance(err, KeyboardInterrupt) and stop.signal is not None:
-                    # a second Ctrl-C, which may have landed in the middle of a step: saving could keep a
-                    # half-made step, so the last checkpoint stays as it is
-                    if self.ckpt is not None:
-                        err.add_note(f"flowvm: stopped at once by a second SIGINT; {self.ckpt} keeps the run "
-                                     f"as saved at step {self.saved_step}")
-                    raise
-                if getattr(err, "save_failed", False):  # saving again would fail again
-                    raise
-                if self.ckpt is not None:
-                    try:
-                        self.save()  # the driver is consistent: resuming retries the step that failed
-                    except CheckpointError as failed:
-                        err.add_note(f"flowvm: {failed}")
-                        raise err from None
-                    err.add_note(f"flowvm: the run is saved at step {drv.steps} in {self.ckpt}; "
-                                 f"`flowvm resume {self.ckpt}` retries the failed step")
+                self._failed(err, stop)
                 raise
-            if bar is not None:
-                bar.close()
-            elif self.mode == "lines":
-                self.line(self.progress_line())
+            self._end_progress()
             self.save()
             if stop.signal is not None and not drv.done:  # a signal during the last step: the run finished
-                name = signal.Signals(stop.signal).name
-                where = f"; saved to {self.ckpt}, continue with `flowvm resume {self.ckpt}`" if self.ckpt else ""
-                if where and self.key is not None:
-                    where += " (signed: give the key with --key or $FLOWVM_CHECKPOINT_KEY)"
-                self.line(f"flowvm: stopped by {name} at step {drv.steps}{where}")
+                self._stopped(stop.signal)
                 return 128 + stop.signal
         return 0
+
+    def _start_progress(self):
+        """The tqdm bar (mode "bar"), or None after the first progress line (mode "lines")."""
+        if self.mode == "bar":
+            from tqdm import tqdm
+
+            return tqdm(initial=self.drv.steps, total=self.total, unit="step", dynamic_ncols=True, file=sys.stderr)
+        if self.mode == "lines":
+            where = f", saving to {self.ckpt}" if self.ckpt is not None else ""
+            self.line(f"flowvm: running from step {self.drv.steps}{where}")
+        return None
+
+    def _end_progress(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.mode == "lines":
+            self.line(self.progress_line())
+
+    def _chunk(self, limit: int | None, history: History) -> None:
+        """Run one chunk of steps (about 50 ms), then the progress output and the save that are due."""
+        drv = self.drv
+        n = self.chunk
+        if self.every is not None and self.ckpt is not None:
+            n = max(1, min(n, self.saved_step + self.every - drv.steps))
+        if limit is not None:
+            n = min(n, limit - drv.steps)
+        t0, before = time.monotonic(), drv.steps
+        if self.timed:  # returns within about 50 ms, also while it waits on a SPAWN or POPEN
+            drv.run(max_steps=n, timeout=0.05)
+        else:
+            drv.run(max_steps=n)
+        took = time.monotonic() - t0
+        history.sync()
+        # chunks of about 50 ms keep signals and output responsive
+        self.chunk = max(1, min(self.chunk * 2, _MAX_CHUNK, int(n * 0.05 / took) if took > 0 else _MAX_CHUNK))
+        now = time.monotonic()
+        if self.bar is not None:
+            self.bar.update(drv.steps - before)
+            self.bar.set_postfix_str(shown(drv, self.show), refresh=False)
+        elif self.mode == "lines" and now - self.last_line >= self.progress_every:
+            self.line(self.progress_line())
+            self.last_line = now
+        if self.ckpt is not None and not drv.done and (
+                (self.every is not None and drv.steps - self.saved_step >= self.every)
+                or (self.every_seconds is not None and now - self.saved_time >= self.every_seconds)):
+            self.save()
+
+    def _failed(self, err: BaseException, stop: Stop) -> None:
+        """A step raised err (the caller raises it again): save the run, which retries the step, and say so."""
+        if self.bar is not None:
+            self.bar.close()
+        if isinstance(err, KeyboardInterrupt) and stop.signal is not None:
+            # a second Ctrl-C, which may have landed in the middle of a step: saving could keep a
+            # half-made step, so the last checkpoint stays as it is
+            if self.ckpt is not None:
+                err.add_note(f"flowvm: stopped at once by a second SIGINT; {self.ckpt} keeps the run "
+                             f"as saved at step {self.saved_step}")
+            return
+        if getattr(err, "save_failed", False) or self.ckpt is None:  # saving again would fail again
+            return
+        try:
+            self.save()  # the driver is consistent: resuming retries the step that failed
+        except CheckpointError as failed:
+            err.add_note(f"flowvm: {failed}")
+            raise err from None
+        err.add_note(f"flowvm: the run is saved at step {self.drv.steps} in {self.ckpt}; "
+                     f"`flowvm resume {self.ckpt}` retries the failed step")
+
+    def _stopped(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        where = f"; saved to {self.ckpt}, continue with `flowvm resume {self.ckpt}`" if self.ckpt else ""
+        if where and self.key is not None:
+            where += " (signed: give the key with --key or $FLOWVM_CHECKPOINT_KEY)"
+        self.line(f"flowvm: stopped by {name} at step {self.drv.steps}{where}")

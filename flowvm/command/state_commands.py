@@ -3,52 +3,32 @@ from the target and options the file records, the state loaded into it; shown wi
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 from ..persist import state
-from .targets import build_program
+from ..persist.formats import PICKLE, STATE
+from .targets import build_program, recorded
 from ..persist import checkpoint
 from . import outputs
-from .common import (KEY_ENV, check_checkpoint_path, check_output, finish, key_of, module_of, printable,
+from .common import (KEY_ENV, check_checkpoint_path, check_output, finish, module_of, printable,
                      registers_summary, runner_for, set_threads, trusted_header, write_model)
 
-
-
-def _state_header(args) -> tuple[dict, str | None]:
-    """The checked header of a state file and the key to load it with (a signed file needs its key)."""
-    key = key_of(args)
-    header = state.read_state_header(args.path)
-    if header.get("signed") and key is None:
-        raise SystemExit(f"flowvm: {args.path} is signed: give its key with --key or ${KEY_ENV}")
-    if key is not None:
-        header = state.read_state_header(args.path, key=key)
-    return header, key
 
 
 def cmd_resume_state(args) -> int:
     """Build the program again (the recorded target and options, or --program; --set adds options) and
     load the saved state into it."""
     check_checkpoint_path(args.checkpoint)
-    header, key = _state_header(args)
+    header, key = trusted_header(args, args.path)
     meta = dict(header.get("meta") or {})
-    target = args.program or meta.get("target")
-    if not target:
-        raise SystemExit(f"flowvm: {args.path} does not record which program it ran; give it with --program TARGET")
-    if args.program is not None and (target.endswith(".py") or os.sep in target or "/" in target):
-        target = str(Path(target).resolve())  # as run records it: found again from any directory
-    sets = (list(meta.get("sets", [])) if args.program is None else []) + list(args.set)
-    values = {"data": meta["data"]} if args.program is None and type(meta.get("data")) is str else {}
-    meta.pop("data", None)
-    module, program = build_program(target, sets, values)
+    module, program = _rebuild(args, meta)
     set_threads(args.threads)
     if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
         args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
-    meta.update(target=target, module=module.__name__, sets=sets, **values, every=args.every, every_seconds=args.every_seconds,
+    meta.update(every=args.every, every_seconds=args.every_seconds,
                 show=list(getattr(module, "SHOW", meta.get("show", []))))
     classes = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
-    drv = state.load_state(args.path, program, key=key, restore_settings=not args.keep_settings,
-                           classes=classes)  # the program module's own classes: results its run made
+    drv = STATE.load(args.path, program, key=key, restore_settings=not args.keep_settings,
+                     classes=classes)  # the program module's own classes: results its run made
     if args.threads is not None:
         drv.resume_with(settings={"torch.threads": args.threads})
     ckpt = args.checkpoint if args.checkpoint is not None else args.path
@@ -58,6 +38,22 @@ def cmd_resume_state(args) -> int:
     finish(drv, module, ckpt, key is not None, status)
     write_model(drv, module, args.output)
     return status
+
+
+def _rebuild(args, meta: dict):
+    """(module, program) built again from the target and options meta records (or --program, without them;
+    --set adds options); meta updated to record what was built."""
+    target = args.program or meta.get("target")
+    if not target:
+        raise SystemExit(f"flowvm: {args.path} does not record which program it ran; give it with --program TARGET")
+    if args.program is not None:
+        target = recorded(target)  # as run records it: found again from any directory
+    sets = (list(meta.get("sets", [])) if args.program is None else []) + list(args.set)
+    values = {"data": meta["data"]} if args.program is None and type(meta.get("data")) is str else {}
+    meta.pop("data", None)
+    module, program = build_program(target, sets, values)
+    meta.update(target=target, module=module.__name__, sets=sets, **values)
+    return module, program
 
 
 def _title(path, header: dict, what: str) -> str:
@@ -71,7 +67,7 @@ def _title(path, header: dict, what: str) -> str:
 
 def cmd_show_state(args) -> int:
     """Print a state file's run: its saved listing with the position, and its registers; imports nothing."""
-    _, key = _state_header(args)
+    _, key = trusted_header(args, args.path)
     header, listing, registers = state.show_state(args.path, key=key)
     print(printable(_title(args.path, header, "state checkpoint ")))
     print(printable(listing))
@@ -101,7 +97,7 @@ def cmd_show_checkpoint(args) -> int:
               f"--trust if you trust its source, or its key (--key or ${KEY_ENV}) if it is signed")
         return 0
     module_of(meta)
-    drv = checkpoint.load(args.path, key=key, restore_random=False)
+    drv = PICKLE.load(args.path, key=key, restore_random=False)
     print(printable(str(drv)))  # the listing, headed by the step count and marked at the position
     print(printable(registers_summary(drv.registers)))
     return 0

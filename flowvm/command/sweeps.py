@@ -7,11 +7,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..persist import checkpoint
-from ..persist import state
+from ..persist.formats import format_of
 from . import outputs
 from .targets import load_module, parse_sets
-from .common import check_checkpoint_path, check_output, finish, is_state, key_of, refuse_to_overwrite, runner_for, write_model
+from .common import check_checkpoint_path, check_output, finish, key_of, refuse_to_overwrite, runner_for, write_model
 
 
 def start_dask(scheduler: str | None = None, versions: str = "error") -> Any:
@@ -53,7 +52,7 @@ def cmd_sweep(args) -> int:
     check_checkpoint_path(args.checkpoint)
     refuse_to_overwrite(args.checkpoint, args.force)
     check_output(args.output)
-    if is_state(args.checkpoint):
+    if args.checkpoint is not None and not format_of(args.checkpoint).holds_code:
         raise SystemExit("flowvm: a sweep saves pickle checkpoints (.ckpt): its trials' results hold models")
     module = load_module(args.target)
     fixed = parse_sets(args.set, module.build)
@@ -87,7 +86,7 @@ def cmd_plot(args) -> int:
     from .history import plot_history
 
     key = key_of(args)
-    header = state.read_state_header(args.path, key) if is_state(args.path) else checkpoint.read_header(args.path, key)
+    header = format_of(args.path).read_header(args.path, key)
     meta = header.get("meta") or {}
     history = meta.get("history") or {}
     names = args.names or [n for n in history.get("names", []) if history.get("points", {}).get(n)]

@@ -19,9 +19,19 @@ from ..base.errors import DataError
 
 
 # ------------------------------------------------------------------ targets
+def is_file(target: str) -> bool:
+    """Whether a target names a .py file (else a bundled program or a module)."""
+    return target.endswith(".py") or os.sep in target or "/" in target
+
+
+def recorded(target: str) -> str:
+    """target as a checkpoint records it: a file's absolute path (found again from any directory), else as is."""
+    return str(Path(target).resolve()) if is_file(target) else target
+
+
 def load_module(target: str) -> ModuleType:
     """Import a program module from a bundled name, a module name or a .py path."""
-    if target.endswith(".py") or os.sep in target or "/" in target:
+    if is_file(target):
         return _load_file(Path(target))
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())  # a module in the current directory, as `python -m` would find it
