@@ -32,6 +32,32 @@ COPIERS: dict[str, Callable[[Driver], Driver]] = {
 def same(a: Any, b: Any) -> bool:
     """Exact equality that also understands numpy arrays and torch tensors (bit for bit, NaNs equal), and
     plain objects without an ``__eq__`` of their own (by their attributes)."""
+    array = _same_arrays(a, b)
+    if array is not None:
+        return array
+    if isinstance(a, (list, tuple, dict)):
+        return _same_items(a, b)
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if type(a) is type(b) and _plain_object(a):
+        return a is b or same(vars(a), vars(b))  # a plain object (a fitted model): its attributes
+    return type(a) is type(b) and a == b
+
+
+def _same_items(a: list | tuple | dict, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def _plain_object(a: Any) -> bool:
+    """An object without an ``__eq__`` of its own, compared by its attributes."""
+    return type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__") and not isinstance(a, type) \
+        and not callable(a)
+
+
+def _same_arrays(a: Any, b: Any) -> bool | None:
+    """same(a, b) when a is a tensor or a numpy array or scalar; None for anything else."""
     import sys
 
     np = sys.modules.get("numpy")
@@ -46,16 +72,7 @@ def same(a: Any, b: Any) -> bool:
         return (isinstance(b, (np.ndarray, np.generic)) and np.shape(a) == np.shape(b)
                 and np.asarray(a).dtype == np.asarray(b).dtype
                 and np.array_equal(a, b, equal_nan=np.asarray(a).dtype.kind in "fc"))
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return (isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a))
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True
-    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__") \
-            and not isinstance(a, type) and not callable(a):
-        return a is b or same(vars(a), vars(b))  # a plain object (a fitted model): its attributes
-    return type(a) is type(b) and a == b
+    return None
 
 
 def outcome(driver: Driver) -> dict:
@@ -157,17 +174,24 @@ def digest(value: Any) -> str:
 
 def _feed(h, value: Any) -> None:
     import struct
-    import sys
 
-    np = sys.modules.get("numpy")
-    torch = sys.modules.get("torch")
     if value is None or isinstance(value, (bool, int, str)):
         h.update(f"{type(value).__name__}:{value!r};".encode())
     elif isinstance(value, float):
         h.update(b"float:" + struct.pack(">d", value))
     elif isinstance(value, (bytes, bytearray)):
         h.update(f"bytes:{len(value)}:".encode() + bytes(value))
-    elif torch is not None and isinstance(value, torch.Tensor):
+    elif not _feed_array(h, value):
+        _feed_container(h, value)
+
+
+def _feed_array(h, value: Any) -> bool:
+    """Feed a tensor or a numpy array or scalar; False for anything else."""
+    import sys
+
+    np = sys.modules.get("numpy")
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
         raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
         h.update(f"tensor:{t.dtype}:{tuple(t.shape)}:".encode() + raw.numpy().tobytes())
@@ -179,7 +203,13 @@ def _feed(h, value: Any) -> None:
                 _feed(h, item)
         else:
             h.update(f"array:{a.dtype.str}:{a.shape}:".encode() + a.tobytes())
-    elif isinstance(value, (list, tuple)):
+    else:
+        return False
+    return True
+
+
+def _feed_container(h, value: Any) -> None:
+    if isinstance(value, (list, tuple)):
         h.update(f"{type(value).__name__}:{len(value)}[".encode())
         for item in value:
             _feed(h, item)

@@ -177,12 +177,7 @@ def _read_csv(path: Path, label: int | str | None, supervised: bool,
                 if not row or not any(c.strip() for c in row):
                     continue
                 if width is None:
-                    width = len(row)
-                    if not _numeric(row):
-                        header = [c.strip() for c in row]
-                    col = _label_column(label, supervised, header, width, path)
-                    gone = {col} | set(_columns(drop, header, width, path))
-                    keep = [j for j in range(width) if j not in gone]
+                    width, header, col, keep = _layout(row, label, supervised, drop, path)
                     if header is not None:
                         continue
                 if len(row) == width and col is not None:
@@ -198,6 +193,15 @@ def _read_csv(path: Path, label: int | str | None, supervised: bool,
     if col is None:
         return arr, None
     return arr, labels
+
+
+def _layout(row: list, label: int | str | None, supervised: bool, drop: Any, path: Path) -> tuple:
+    """(width, header or None, the label column or None, the sample columns) of a file from its first row."""
+    width = len(row)
+    header = None if _numeric(row) else [c.strip() for c in row]
+    col = _label_column(label, supervised, header, width, path)
+    gone = {col} | set(_columns(drop, header, width, path))
+    return width, header, col, [j for j in range(width) if j not in gone]
 
 
 def _columns(drop: Any, header: list | None, width: int, path: Path) -> list[int]:
@@ -309,47 +313,54 @@ def load_data(data: Any, *, supervised: bool = False, label: int | str | None = 
     if isinstance(data, Data):
         return data
     if isinstance(data, (str, os.PathLike)):
-        path = Path(data)
-        source = str(path)
-        if not path.is_file():
-            raise DataError(f"{source}: no such file")
-        suffix = path.suffix.lower()
-        if suffix == ".npy":
-            x = _as_samples(_map(path), source)
-            return Data(x, None, source)
-        if suffix == ".npz":
-            with _load_numpy(path, ".npz file") as z:
-                if "x" not in z:
-                    raise DataError(f"{source}: an .npz data file needs an array named 'x' (found {list(z.keys())})")
-                x = _as_samples(_member(z, "x", path), f"{source} (x)")
-                y = _labels(_member(z, "y", path), len(x), f"{source} (y)") if "y" in z else None
-        elif suffix == ".csv":
-            raw_x, raw_y = _read_csv(path, label, supervised, drop)
-            x = _as_samples(raw_x, source)
-            y, names = (None, None) if raw_y is None else _csv_labels(raw_y, len(x), f"{source} (label column)")
-            if supervised and y is None:
-                raise DataError(f"{source}: this program needs labels (a .csv label column)")
-            return Data(x, y, source, names)
-        else:
-            raise DataError(f"{source}: unknown data file type {suffix!r} (use .npy, .npz or .csv)")
-        if supervised and y is None:
-            raise DataError(f"{source}: this program needs labels (an .npz with 'y', or a .csv label column)")
-        return Data(x, y, source)
+        return _load_file(Path(data), supervised, label, drop)
     if isinstance(data, tuple) and len(data) == 2:
         x = _as_samples(data[0], f"{name} (x)")
         return Data(x, _labels(data[1], len(x), f"{name} (y)"), name)
     if hasattr(data, "__getitem__") and hasattr(data, "__len__") and type(data).__module__.startswith("torch.utils") \
             or _is_torch_dataset(data):
-        items = [data[i] for i in range(len(data))]
-        if items and isinstance(items[0], (tuple, list)) and len(items[0]) == 2:
-            xs, ys = zip(*items)
-            x = _as_samples(np.stack([_flat(v) for v in xs]), f"{name} (dataset samples)")
-            return Data(x, _labels(np.array([_scalar(v) for v in ys]), len(x), f"{name} (dataset labels)"), name)
-        return Data(_as_samples(np.stack([_flat(v) for v in items]), name), None, name)
+        return _load_dataset(data, name)
     x = _as_samples(data, name)
     if supervised:
         raise DataError(f"{name}: this program needs labels: give (x, y)")
     return Data(x, None, name)
+
+
+def _load_file(path: Path, supervised: bool, label: int | str | None, drop: Any) -> Data:
+    """A .npy, .npz or .csv data file (see load_data)."""
+    source = str(path)
+    if not path.is_file():
+        raise DataError(f"{source}: no such file")
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        return Data(_as_samples(_map(path), source), None, source)
+    if suffix == ".npz":
+        with _load_numpy(path, ".npz file") as z:
+            if "x" not in z:
+                raise DataError(f"{source}: an .npz data file needs an array named 'x' (found {list(z.keys())})")
+            x = _as_samples(_member(z, "x", path), f"{source} (x)")
+            y = _labels(_member(z, "y", path), len(x), f"{source} (y)") if "y" in z else None
+        if supervised and y is None:
+            raise DataError(f"{source}: this program needs labels (an .npz with 'y', or a .csv label column)")
+        return Data(x, y, source)
+    if suffix == ".csv":
+        raw_x, raw_y = _read_csv(path, label, supervised, drop)
+        x = _as_samples(raw_x, source)
+        y, names = (None, None) if raw_y is None else _csv_labels(raw_y, len(x), f"{source} (label column)")
+        if supervised and y is None:
+            raise DataError(f"{source}: this program needs labels (a .csv label column)")
+        return Data(x, y, source, names)
+    raise DataError(f"{source}: unknown data file type {suffix!r} (use .npy, .npz or .csv)")
+
+
+def _load_dataset(data: Any, name: str) -> Data:
+    """A torch Dataset's items: samples, or (sample, label) pairs."""
+    items = [data[i] for i in range(len(data))]
+    if items and isinstance(items[0], (tuple, list)) and len(items[0]) == 2:
+        xs, ys = zip(*items)
+        x = _as_samples(np.stack([_flat(v) for v in xs]), f"{name} (dataset samples)")
+        return Data(x, _labels(np.array([_scalar(v) for v in ys]), len(x), f"{name} (dataset labels)"), name)
+    return Data(_as_samples(np.stack([_flat(v) for v in items]), name), None, name)
 
 
 def _is_torch_dataset(data: Any) -> bool:

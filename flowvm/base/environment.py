@@ -79,35 +79,42 @@ def check_random(state: Any, where: Any = "<copy>") -> dict:
         raise CheckpointError(where, f"malformed state of the generator 'random': {err}") from None
     if "numpy" in state:
         try:
-            import numpy as np
-
-            name, keys, pos, has_gauss, cached = state["numpy"]
-            keys = np.asarray(keys)
-            if keys.shape != (624,) or keys.dtype.kind not in "iu":
-                raise ValueError(f"624 integer keys expected, got an array of shape {keys.shape}")
-            np.random.RandomState().set_state((name, keys.astype(np.uint32), int(pos), int(has_gauss),
-                                               float(cached)))
-            out["numpy"] = [name, keys.astype(np.uint32).tolist(), int(pos), int(has_gauss), float(cached)]
+            out["numpy"] = _checked_numpy_state(state["numpy"])
         except Exception as err:
             raise CheckpointError(where, f"malformed state of numpy's global generator: {err}") from None
     for name in ("torch", "torch_cuda"):
         if name not in state:
             continue
-        torch = sys.modules.get("torch")
         try:
-            if torch is None:  # not imported here (a numpy-only run): kept as bytes, never imported for it;
-                # set, and checked by torch, only if the run imports torch by its first step
-                out[name] = _torch_state_bytes(state[name]) if name == "torch" \
-                    else [_torch_state_bytes(s) for s in state[name]]
-            elif name == "torch":
-                out[name] = _torch_state_bytes(state[name])
-                torch.Generator().set_state(_torch_tensor(out[name]))
-            else:
-                out[name] = [_torch_state_bytes(s) for s in state[name]]
+            out[name] = _checked_torch_state(name, state[name])
         except Exception as err:
             raise CheckpointError(where, f"malformed state of torch's {'CUDA' if '_' in name else 'CPU'} "
                                          f"generator: {err}") from None
     return out
+
+
+def _checked_numpy_state(value: Any) -> list:
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = value
+    keys = np.asarray(keys)
+    if keys.shape != (624,) or keys.dtype.kind not in "iu":
+        raise ValueError(f"624 integer keys expected, got an array of shape {keys.shape}")
+    np.random.RandomState().set_state((name, keys.astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    return [name, keys.astype(np.uint32).tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+def _checked_torch_state(name: str, value: Any) -> Any:
+    """The state of torch's CPU generator (name "torch") as bytes, or of its CUDA ones as a list of bytes.
+    Where torch is not imported (a numpy-only run) they are kept as bytes, never imported for it; set, and
+    checked by torch, only if the run imports torch by its first step."""
+    if name != "torch":
+        return [_torch_state_bytes(s) for s in value]
+    data = _torch_state_bytes(value)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.Generator().set_state(_torch_tensor(data))
+    return data
 
 
 def _torch_state_bytes(value: Any) -> bytes:
