@@ -50,13 +50,12 @@ REPEAT 3:
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from ..program.elements import Element, provide, tool
 from ..base.errors import EditError
 from ..program.paths import Path, format_path, get, parse_path, walk
-from .tree import NoFrames, apply_edits, become, carry_overrides, edit_tree, rebuild  # noqa: F401  (the public names)
+from .tree import NoFrames, apply_edits, become, carry_overrides, edit_tree, rebuild  # noqa: F401  (their old home)
 from .match import ANY, describe_pattern, matches, near_misses, pattern_test, same_value  # noqa: F401  (ANY, same_value: the public names)
 
 

@@ -205,20 +205,22 @@ class Driver(Engine, RunStateAccess):
         except Exception as err:  # the one place where a leaf's error gets its note (see _running_error)
             raise self._running_error(err)
 
-    def _fast_steps(self, limit, deadline: float | None) -> int:
-        """Steps of the fast path the next leaf is on (fastpaths.py), if it has steps to take: the steps
-        taken.  Each writes the frames back before an error leaves it; with a deadline, each looks at the
-        clock after every step, since a step may take far longer than the last."""
+    def _fast_steps(self, limit, deadline: float | None) -> bool:
+        """Steps of the fast path the next leaf is on (fastpaths.py), if it has steps to take.  True when
+        the loop looks again (a deadline to check, the step limit reached, a WEAVE's turn passed); False
+        when the general path takes the next step (a REPEAT's last iteration, with no deadline, at once).
+        Each writes the frames back before an error leaves it; with a deadline, each looks at the clock
+        after every step, since a step may take far longer than the last."""
         fast = self._fast
         if fast is not None:
             if fast[REPEAT_I] + 1 >= fast[REPEAT_N]:
-                return 0  # the last iteration: the general path finishes the REPEAT
-            steps = self.steps
+                return False  # the last iteration: the general path finishes the REPEAT
             repeat_leaf(self, fast, limit, deadline)
-            return self.steps - steps
+            return deadline is not None or self.steps >= limit
         if self._fastseq is not None:
-            return repeat_seq(self, self._fastseq, limit, deadline)
-        return repeat_woven(self, self._woven, limit, deadline)
+            ran = repeat_seq(self, self._fastseq, limit, deadline)
+            return (deadline is not None and ran > 0) or self.steps >= limit
+        return repeat_woven(self, self._woven, limit, deadline) > 0
 
     def _polled(self, idle: "_Idle | None", deadline: float | None, block: bool) -> "_Idle | None":
         """The leaf returned PENDING: count the poll; when every runnable leaf polled pending in turn, wait

@@ -1,33 +1,20 @@
 """What the driver does between two leaves: ``Engine``, a base class of ``Driver`` (driver.py).
 
-``_prepare`` settles into the next leaf (frames.settle) and makes its function (``leaf_for``, the one place a
-leaf's function is made) and the frames the fast paths use; ``_after_leaf`` and ``_after_poll`` count the
-step and move on; ``_running_error`` and ``_annotate`` give errors their note.  The fields these methods
+``_prepare`` settles into the next leaf (frames.settle), makes its function and finds the frames the fast
+paths use; ``_after_leaf`` and ``_after_poll`` count the step and move on; ``_running_error`` and ``_annotate`` give errors their note.  The fields these methods
 keep are the Driver's (see its class docstring and docs/architecture.md).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from ..base.errors import RegisterError, SwitchError
 from ..program.elements import REPEAT, SEQ, WEAVE, Element
 from ..program.paths import format_path
 from . import fastpaths
 from .compile import leaf_function
-from .frames import ELEMENT, SEQ_POS, credit_weaves, take_turn
-from .frames import settle
-
-
-def leaf_for(drv, frame: list) -> Callable[[], Any]:
-    """The function the driver calls to run the leaf of frame, once per step: for a simple leaf (CALL,
-    PRINT, FUSED) the closure compile.py makes; for any other, what its ``bind`` returns (the leaf protocol,
-    docs/leaves.md).  The one place a leaf's function is made: the place to wrap leaves for tracing or
-    profiling."""
-    el = frame[ELEMENT]
-    if type(el).simple_leaf:
-        return leaf_function(el, drv.registers)
-    return el.bind(drv, frame)
+from .frames import ELEMENT, SEQ_POS, credit_weaves, settle, take_turn
 
 
 def _simple_seq(seq: Element) -> bool:
@@ -38,7 +25,10 @@ class Engine:
     """The steps between leaves, for ``Driver``."""
 
     def _prepare(self) -> bool:
-        """Settle if needed and fill the caches for the next leaf; False when the program is finished."""
+        """Settle if needed and fill the caches for the next leaf; False when the program is finished.
+
+        The leaf's function is made here: for a simple leaf (CALL, PRINT, FUSED) the closure compile.py
+        makes, for any other what its ``bind`` returns (the leaf protocol, docs/leaves.md)."""
         if self._resume is not None:  # a copy's first step (or first run() once finished)
             self._apply_resume()
         if self.done:
@@ -48,26 +38,33 @@ class Engine:
             if self.done:
                 return False
         stack = self._stack
-        around = None
-        if self._weave:
-            around = self._around = [fr for fr in stack if type(fr[ELEMENT]) is WEAVE] or None
-        self._leaf = leaf_for(self, stack[-1])
-        if type(stack[-1][ELEMENT]).simple_leaf and len(stack) > 1 and fastpaths.ENABLED:
-            self._find_fast_path(stack, around)
+        around = self._around = [fr for fr in stack if type(fr[ELEMENT]) is WEAVE] or None if self._weave else None
+        fr = stack[-1]
+        el = fr[ELEMENT]
+        if not type(el).simple_leaf:
+            self._leaf = el.bind(self, fr)
+            return True
+        self._leaf = leaf_function(el, self.registers)
+        if len(stack) > 1:
+            kind = type(stack[-2][ELEMENT])
+            if kind is REPEAT or (kind is SEQ and len(stack) > 2 and type(stack[-3][ELEMENT]) is REPEAT):
+                self._find_fast_path(stack, around)
         return True
 
     def _find_fast_path(self, stack: list, around: list | None) -> None:
-        """The fast path (fastpaths.py) the simple leaf on top of stack may take, if any."""
+        """The fast path (fastpaths.py) the simple leaf on top of stack, in a REPEAT or in a SEQ in a REPEAT,
+        may take, if any (none while ``fastpaths.ENABLED`` is off)."""
+        if not fastpaths.ENABLED:
+            return
         parent = stack[-2]
-        kind = type(parent[ELEMENT])
-        if kind is REPEAT:
+        if type(parent[ELEMENT]) is REPEAT:
             if around is not None:
                 self._woven = (around, parent, None)
                 return
             self._fast = parent
             if self._watch is None:  # a watched step records its history: the general path
                 self._step_fast = parent
-        elif kind is SEQ and len(stack) > 2 and type(stack[-3][ELEMENT]) is REPEAT and _simple_seq(parent[ELEMENT]):
+        elif _simple_seq(parent[ELEMENT]):
             if around is None:
                 self._fastseq = (stack[-3], parent)
             else:
@@ -91,7 +88,7 @@ class Engine:
                         self.settle_after_turn()  # the turn passed to another child of a WEAVE
                         return
                     try:
-                        self._leaf = leaf_function(nxt, self.registers)  # leaf_for's simple case
+                        self._leaf = leaf_function(nxt, self.registers)  # as _prepare makes it
                     except Exception:  # retried, and raised, by the next step's _prepare
                         pass
                     return
