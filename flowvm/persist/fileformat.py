@@ -137,8 +137,26 @@ def _check_head(fetch, total: int, path) -> Layout:
     head = bytes(fetch(head_end + DIGEST))
     if not hmac.compare_digest(hashlib.sha256(head[:head_end]).digest(), head[head_end:]):
         raise CheckpointError(path, "corrupted: header checksum mismatch")
+    header, fmt, nbytes, signed = _read_header(head[start: head_end], path)
+    buffers = _buffer_table(header, path) if fmt >= 2 else []
+    in_buffers = sum(n for n, _ in buffers)
+    if in_buffers > nbytes:
+        raise CheckpointError(path, f"corrupted: the buffer table ({in_buffers} bytes) does not fit in the "
+                                    f"payload ({nbytes} bytes)")
+    body_end = head_end + DIGEST + nbytes
+    expected = body_end + DIGEST * (2 if signed else 1)
+    if total < expected:
+        raise CheckpointError(path, f"truncated: {total} bytes, expected {expected}")
+    if total > expected:
+        raise CheckpointError(path, f"corrupted: {total - expected} unexpected bytes at the end")
+    return Layout(header, head, buffers, nbytes - in_buffers, body_end, total)
+
+
+def _read_header(text: bytes, path) -> tuple[dict, int, int, bool]:
+    """(header, format, payload bytes, signed) of a header whose checksum matched, in a format this flowvm
+    reads."""
     try:
-        header = json.loads(head[start: head_end].decode())
+        header = json.loads(text.decode())
         fmt = header["format"]
         nbytes = header["payload_bytes"]
         signed = header["signed"]
@@ -152,18 +170,7 @@ def _check_head(fetch, total: int, path) -> Layout:
                                     f"reads formats up to {FORMAT}: upgrade flowvm to load it")
     if fmt < 1:
         raise CheckpointError(path, f"corrupted: unknown format {fmt}")
-    buffers = _buffer_table(header, path) if fmt >= 2 else []
-    in_buffers = sum(n for n, _ in buffers)
-    if in_buffers > nbytes:
-        raise CheckpointError(path, f"corrupted: the buffer table ({in_buffers} bytes) does not fit in the "
-                                    f"payload ({nbytes} bytes)")
-    body_end = head_end + DIGEST + nbytes
-    expected = body_end + DIGEST * (2 if signed else 1)
-    if total < expected:
-        raise CheckpointError(path, f"truncated: {total} bytes, expected {expected}")
-    if total > expected:
-        raise CheckpointError(path, f"corrupted: {total - expected} unexpected bytes at the end")
-    return Layout(header, head, buffers, nbytes - in_buffers, body_end, total)
+    return header, fmt, nbytes, signed
 
 
 def _buffer_table(header: dict, path) -> list[tuple[int, str]]:

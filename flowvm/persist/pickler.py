@@ -148,19 +148,24 @@ def _rule_for(t: type):
     if t is types.FunctionType:
         return _with_obj(_reduce_patched_method)
     torch = sys.modules.get("torch")
-    if torch is not None and issubclass(t, torch.Tensor):
+    return None if torch is None else _torch_rule_for(t, torch)
+
+
+def _torch_rule_for(t: type, torch) -> Any:
+    """_rule_for of torch's types: tensors, storages, generators, optimizers, data loaders."""
+    if issubclass(t, torch.Tensor):
         return _with_obj(_reduce_tensor)
-    if torch is not None and t is torch.storage.TypedStorage:
+    if t is torch.storage.TypedStorage:
         return _reduce_typed_storage
-    if torch is not None and t is torch.UntypedStorage:
+    if t is torch.UntypedStorage:
         return _reduce_untyped_storage
-    if torch is not None and t is torch.Generator:
+    if t is torch.Generator:
         return _with_obj(_reduce_generator)
-    if torch is not None and issubclass(t, torch.optim.LBFGS):
+    if issubclass(t, torch.optim.LBFGS):
         return _with_obj(_reduce_lbfgs)
-    if torch is not None and issubclass(t, torch.optim.Optimizer):
+    if issubclass(t, torch.optim.Optimizer):
         return _with_obj(_reduce_optimizer)
-    if torch is not None and any((c.__module__ or "").startswith(("torch.utils.data", "torchdata")) for c in t.__mro__):
+    if any((c.__module__ or "").startswith(("torch.utils.data", "torchdata")) for c in t.__mro__):
         from ..base.loaders import reduction_for  # DataLoader iterators refused, StatefulDataLoader's state kept
 
         loader_rule = reduction_for(t)

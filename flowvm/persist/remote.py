@@ -123,6 +123,11 @@ def _reason(err: BaseException, url: str) -> str:
         return "replaced while it was being read; read it again"
     if _kind_named(err, "EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError"):
         return f"cannot reach the store ({err})"
+    return _os_reason(err, url)
+
+
+def _os_reason(err: BaseException, url: str) -> str:
+    """_reason of the errors fsspec raises as Python's own (a missing object, a directory, ...)."""
     if isinstance(err, FileNotFoundError):
         return "no such object" if scheme_of(url) in ATOMIC_STORES | {"memory"} else "no such file"
     if isinstance(err, IsADirectoryError):

@@ -99,6 +99,36 @@ def save_state(driver, path: str | os.PathLike, key: bytes | str | None = None, 
 
 def collect(driver, path: Any = "<state>", signed: bool = False, meta: dict | None = None) -> tuple[dict, Encoder]:
     """The metadata (name -> JSON text) and the tensors (in the Encoder) of driver's state, unsigned."""
+    user_meta = _check_saveable(driver, path, meta)
+    enc = Encoder(encode_object)
+    program = driver.program
+    try:
+        parts, state = _encode_run(enc, driver)
+    except Refused as err:
+        raise CheckpointError(path, f"cannot save the run's state: {err}") from None
+    if enc.graphs:
+        warnings.warn(f"flowvm: {', '.join(enc.graphs[:3])} hold tensors with an autograd graph; a state file (as a "
+                      "pickle) keeps their values only, so a backward() through them after loading computes no "
+                      "gradients: run the forward pass and backward() in one CALL, or save between steps that do "
+                      "not hold such a tensor", CopyWarning, stacklevel=3)
+    doc = enc.finish(parts)
+    parts["run"]["marks"] = [[format_path(p), g, c] for p, (g, c) in marks(state.frames).items()] \
+        if not driver.done else []
+    shape = structure(program)
+    header = {"format": FORMAT, "flowvm": __version__, "python": platform.python_version(),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": driver.steps, "done": driver.done,
+              "program": program.kind, "position": driver.position, "signed": signed, "meta": user_meta,
+              "fingerprint": _fingerprint(shape), "settings": state.environment["settings"]}
+    listing = [[None if p is None else format_path(p), depth, text] for p, depth, text in lines(program)]
+    metadata = {"flowvm.format": str(FORMAT), "flowvm.header": _dumps(header),
+                "flowvm.program": _dumps({**shape, "listing": listing}), "flowvm.tensors": _dumps(enc.table)}
+    for part in ("objects", "registers", "run", "environment"):
+        metadata[f"flowvm.{part}"] = _dumps(doc[part])
+    return metadata, enc
+
+
+def _check_saveable(driver, path: Any, meta: dict | None) -> dict:
+    """The user's meta (as JSON gives it back), once driver is a driver whose state a file can hold."""
     from ..machine.driver import Driver
 
     if not isinstance(driver, Driver):
@@ -108,45 +138,27 @@ def collect(driver, path: Any = "<state>", signed: bool = False, meta: dict | No
                                     "which a state file does not hold); set them again after load_state, or give "
                                     "them to the program (with_overrides), which build() makes again")
     try:
-        user_meta = json.loads(_dumps(meta or {}))
+        return json.loads(_dumps(meta or {}))
     except (TypeError, ValueError) as err:
         raise TypeError(f"save_state: meta must be a JSON-serializable dict ({err})") from None
-    enc = Encoder(encode_object)
-    program = driver.program
-    try:
-        objects = [[loc, enc.value(obj, f"objects/{loc}")] for loc, obj in roots(program)]
-        enc.objects_allowed = False
-        registers = [[name, enc.value(v, f"registers/{name}")] for name, v in driver.registers.items()]
-        state = driver.snapshot()
-        run = {"steps": state.steps, "done": state.done, "ready": state.ready, "rotate": state.rotate,
-               "fresh": state.fresh, "result": enc.value(state.result, "run/result"),
-               "stack": _frames(enc, state.frames, ())}
-        if state.carry is not NOVALUE:
-            run["carry"] = enc.value(state.carry, "run/carry")
-        if state.history is not None:
-            run["history"] = enc.value(state.history, "run/history")
-        env = state.environment
-        environment = {"random": enc.value(env["random"], "environment/random"), "settings": env["settings"]}
-    except Refused as err:
-        raise CheckpointError(path, f"cannot save the run's state: {err}") from None
-    if enc.graphs:
-        warnings.warn(f"flowvm: {', '.join(enc.graphs[:3])} hold tensors with an autograd graph; a state file (as a "
-                      "pickle) keeps their values only, so a backward() through them after loading computes no "
-                      "gradients: run the forward pass and backward() in one CALL, or save between steps that do "
-                      "not hold such a tensor", CopyWarning, stacklevel=3)
-    doc = enc.finish({"objects": objects, "registers": registers, "run": run, "environment": environment})
-    run["marks"] = [[format_path(p), g, c] for p, (g, c) in marks(state.frames).items()] if not driver.done else []
-    shape = structure(program)
-    header = {"format": FORMAT, "flowvm": __version__, "python": platform.python_version(),
-              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": driver.steps, "done": driver.done,
-              "program": program.kind, "position": driver.position, "signed": signed, "meta": user_meta,
-              "fingerprint": _fingerprint(shape), "settings": env["settings"]}
-    listing = [[None if p is None else format_path(p), depth, text] for p, depth, text in lines(program)]
-    metadata = {"flowvm.format": str(FORMAT), "flowvm.header": _dumps(header),
-                "flowvm.program": _dumps({**shape, "listing": listing}), "flowvm.tensors": _dumps(enc.table)}
-    for part in ("objects", "registers", "run", "environment"):
-        metadata[f"flowvm.{part}"] = _dumps(doc[part])
-    return metadata, enc
+
+
+def _encode_run(enc: Encoder, driver) -> tuple[dict, RunState]:
+    """The objects, registers, run and environment parts of driver's state (encoded), and its snapshot."""
+    objects = [[loc, enc.value(obj, f"objects/{loc}")] for loc, obj in roots(driver.program)]
+    enc.objects_allowed = False
+    registers = [[name, enc.value(v, f"registers/{name}")] for name, v in driver.registers.items()]
+    state = driver.snapshot()
+    run = {"steps": state.steps, "done": state.done, "ready": state.ready, "rotate": state.rotate,
+           "fresh": state.fresh, "result": enc.value(state.result, "run/result"),
+           "stack": _frames(enc, state.frames, ())}
+    if state.carry is not NOVALUE:
+        run["carry"] = enc.value(state.carry, "run/carry")
+    if state.history is not None:
+        run["history"] = enc.value(state.history, "run/history")
+    env = state.environment
+    environment = {"random": enc.value(env["random"], "environment/random"), "settings": env["settings"]}
+    return {"objects": objects, "registers": registers, "run": run, "environment": environment}, state
 
 
 def _frames(enc: Encoder, chain: list, base: tuple) -> list:

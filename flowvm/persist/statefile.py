@@ -104,14 +104,7 @@ def digests(metadata: dict, table: dict, views: dict, key: bytes | None, hashed:
     default the one checksum_name gives)."""
     checksum = checksum or checksum_name(key is not None)
     if hashed is None:
-        one = piece_hash(checksum)
-        total = sum(len(v) for v in views.values())
-        if checksum == SHA and total >= 2 * PIECE and (os.cpu_count() or 1) > 1:
-            with ThreadPoolExecutor(min(os.cpu_count() or 1, 16), thread_name_prefix="flowvm-state-hash") as pool:
-                futures = {n: [pool.submit(one, p) for p in _pieces(v)] for n, v in views.items()}
-                hashed = {n: [f.result() for f in fs] for n, fs in futures.items()}
-        else:  # XXH3 hashes at memory speed: threads would cost more than they save
-            hashed = {n: [one(p) for p in _pieces(v)] for n, v in views.items()}
+        hashed = _hash_views(views, checksum)
     parts = [b"flowvm-state\0"]
     for name in sorted(metadata):
         if name not in (SHA, XXH, MAC):
@@ -124,6 +117,17 @@ def digests(metadata: dict, table: dict, views: dict, key: bytes | None, hashed:
     digests = Digests(key, threaded=False)
     digests.update(b"".join(parts))
     return digests.result()
+
+
+def _hash_views(views: dict, checksum: str) -> dict:
+    """name -> the hashes of its view's pieces (on every core for SHA-256 and enough bytes)."""
+    one = piece_hash(checksum)
+    total = sum(len(v) for v in views.values())
+    if checksum == SHA and total >= 2 * PIECE and (os.cpu_count() or 1) > 1:
+        with ThreadPoolExecutor(min(os.cpu_count() or 1, 16), thread_name_prefix="flowvm-state-hash") as pool:
+            futures = {n: [pool.submit(one, p) for p in _pieces(v)] for n, v in views.items()}
+            return {n: [f.result() for f in fs] for n, fs in futures.items()}
+    return {n: [one(p) for p in _pieces(v)] for n, v in views.items()}  # XXH3: at memory speed, no threads
 
 
 def _framed(text: str) -> bytes:
@@ -257,13 +261,19 @@ def _safetensors_header(name: str, size: int, path: Any) -> tuple[dict, dict]:
     entries, data = {}, 8 + n
     for key, v in header.items():
         try:
-            dtype, shape, (begin, end) = v["dtype"], v["shape"], v["data_offsets"]
-            if dtype not in ST_DTYPES or type(shape) is not list or len(shape) > MAX_DIMS \
-                    or not all(type(d) is int and d >= 0 for d in shape):
-                raise ValueError("dtype or shape")
-            if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= size - data):
-                raise ValueError(f"its data [{begin}, {end}) lies outside the file")
+            dtype, shape, begin, end = _entry(v, size - data)
         except (TypeError, KeyError, ValueError) as err:
             raise bad(f"tensor {key!r:.80}: {str(err)[:80]}") from None
         entries[key] = (dtype, shape, data + begin, data + end)
     return metadata, entries
+
+
+def _entry(v: Any, room: int) -> tuple:
+    """(dtype, shape, begin, end) of a tensor's entry in a safetensors header, its data within room bytes."""
+    dtype, shape, (begin, end) = v["dtype"], v["shape"], v["data_offsets"]
+    if dtype not in ST_DTYPES or type(shape) is not list or len(shape) > MAX_DIMS \
+            or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError("dtype or shape")
+    if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= room):
+        raise ValueError(f"its data [{begin}, {end}) lies outside the file")
+    return dtype, shape, begin, end

@@ -158,10 +158,10 @@ def _data(v: Any, depth: int) -> bool:
         return all(_data(k, depth + 1) and _data(x, depth + 1) for k, x in v.items())
     if isinstance(v, (Element, Register, Registers, Depends)) or isinstance(v, _CODE):
         return False
-    return is_constant(v) or type(v) is bytearray or _array_like(v)
+    return is_constant(v) or type(v) is bytearray or array_like(v)
 
 
-def _array_like(v: Any) -> bool:
+def array_like(v: Any) -> bool:
     np, torch = sys.modules.get("numpy"), sys.modules.get("torch")
     return (np is not None and isinstance(v, np.ndarray)) or (torch is not None and isinstance(v, torch.Tensor))
 
@@ -169,7 +169,7 @@ def _array_like(v: Any) -> bool:
 def _stateful(v: Any, plain: bool) -> bool:
     """Whether v has a state a file holds: data that can change, a generator, an object with state_dict,
     and (with plain) any other object with attributes."""
-    if type(v) in (list, dict, set, bytearray) or _array_like(v) or _generator_kind(v) is not None:
+    if type(v) in (list, dict, set, bytearray) or array_like(v) or generator_kind(v) is not None:
         return True
     if has_state_dict(v):
         return True
@@ -189,7 +189,7 @@ def _patched_owner(fn: types.FunctionType) -> Any:
 
 
 # ====================================================================== writing
-def _generator_kind(v: Any) -> str | None:
+def generator_kind(v: Any) -> str | None:
     t = type(v)
     if isinstance(v, random.Random) and t.getstate is not random.SystemRandom.getstate:
         return "python_random"
@@ -206,7 +206,7 @@ def _generator_kind(v: Any) -> str | None:
 
 def encode_object(enc: Encoder, v: Any, where: str) -> dict:
     """The node of an object (Encoder's hook for what is not plain data), or Refused."""
-    kind = _generator_kind(v)
+    kind = generator_kind(v)
     if kind is not None:
         return _encode_generator(enc, v, kind, where)
     _refuse_unheld(enc, v, where)
@@ -223,7 +223,7 @@ def _refuse_unheld(enc: Encoder, v: Any, where: str) -> None:
         raise Refused(where, f"{kind} ({name})", "a state file holds no code: keep functions in the program (a "
                       "CALL's fn or arguments, which build() makes again), or hold an object whose class has "
                       "state_dict() and load_state_dict() instead")
-    if not enc.objects_allowed and (has_state_dict(v) or not _plain(v)):
+    if not enc.objects_allowed and (has_state_dict(v) or not plain_object(v)):
         raise Refused(where, f"a {type_name(v)}",
                       "registers and a run's frames hold plain data (None, bools, numbers, strings, bytes, "
                       "arrays, tensors, and lists, tuples, dicts and sets of these), random generators and "
@@ -234,7 +234,7 @@ def _refuse_unheld(enc: Encoder, v: Any, where: str) -> None:
 
 def _encode_attributes(enc: Encoder, v: Any, where: str) -> dict:
     """An object whose state is its attributes (code and constants are kept as the rebuilt program has them)."""
-    if not _plain(v):
+    if not plain_object(v):
         what = "a file handle" if isinstance(v, io.IOBase) else "an object with __slots__" \
             if hasattr(v, "__dict__") and not isinstance(v, _CODE) else "an object without attributes"
         raise Refused(where, f"{what} ({type_name(v)})", HINT)
@@ -288,7 +288,7 @@ def _encode_state_dict(enc: Encoder, v: Any, where: str) -> dict:
     return node
 
 
-def _plain(v: Any) -> bool:
+def plain_object(v: Any) -> bool:
     """Whether v is an object whose state is its attributes (no file handle, no __slots__, not code)."""
     return not (isinstance(v, (io.IOBase, Element)) or isinstance(v, _CODE) or not hasattr(v, "__dict__")
                 or any(s not in ("__dict__", "__weakref__") for c in type(v).__mro__ for s in _slots(c)))

@@ -16,7 +16,7 @@ from ..base.errors import CheckpointError
 from ..program.elements import Element
 from .statedecoder import Decoder, device_name
 from ..base.environment import global_generator_name
-from .stateobjects import _array_like, _generator_kind, _plain, has_state_dict, roots
+from .stateobjects import array_like, generator_kind, has_state_dict, plain_object, roots
 from .statevalues import MISSING, type_name
 
 # ====================================================================== reading
@@ -32,7 +32,7 @@ def restore_object(dec: Decoder, have: Any, node: dict, where: str) -> Any:
     state = node[kind]
     if kind in ("state_dict", "attributes"):
         return _restore_into(dec, have, node, kind, where)
-    if _generator_kind(have) != kind:
+    if generator_kind(have) != kind:
         have = _new_generator(dec, kind, node, where)
     dec.keep(node, have)
     state = dec.value(state, f"{where}/state")
@@ -81,7 +81,7 @@ def _restore_into(dec: Decoder, have: Any, node: dict, kind: str, where: str) ->
     saved = node.get("type")
     if type(saved) is not str:
         raise dec.error(where, "malformed object node")
-    if kind == "attributes" and (have is MISSING or type(have).__qualname__ != saved or not _plain(have)):
+    if kind == "attributes" and (have is MISSING or type(have).__qualname__ != saved or not plain_object(have)):
         have = _made(dec, have, saved, where)
     if have is MISSING or not has_state_dict(have) and kind == "state_dict":
         here = "nothing" if have is MISSING else f"a {type_name(have)} without load_state_dict()"
@@ -160,7 +160,7 @@ def _same_kind(old: Any, new: Any) -> bool:
 
     if old is None or new is None or type(old) is type(new):
         return global_generator_name(new) is None or global_generator_name(old) is not None
-    plain_number = (lambda v: isinstance(v, numbers.Number) and type(v) is not bool and not _array_like(v))
+    plain_number = (lambda v: isinstance(v, numbers.Number) and type(v) is not bool and not array_like(v))
     return plain_number(old) and plain_number(new)
 
 

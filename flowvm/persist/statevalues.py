@@ -306,22 +306,27 @@ class Encoder:
                str(d.device))
         name = self._views.get(key)
         if name is None:
-            dtype = str(d.dtype).removeprefix("torch.")
-            if dtype not in TORCH_DTYPES:
-                raise Refused(where, f"a tensor of dtype {dtype}")
-            info = {"kind": "torch", "dtype": dtype, "shape": list(d.shape)}
-            data = d if d.device.type == "cpu" else d.cpu()
-            if not data.is_contiguous():
-                data = data.contiguous()
-            elif data is d and self._overlaps(data.data_ptr(), data.numel() * data.element_size()):
-                data = data.clone()  # safetensors refuses tensors sharing memory: this one gets its own
-            if dtype not in SAFE_TORCH:
-                info["raw"] = True
-                data = data.reshape(-1).view(torch.uint8)
-            name = self._add(where, info, data)
-            self._views[key] = name
+            name = self._views[key] = self._tensor_data(d, where)
         node["tensor"] = name
         return node
+
+    def _tensor_data(self, d: Any, where: str) -> str:
+        """The name of a (detached) tensor's data in the file, added: a contiguous CPU copy where needed,
+        as bytes where safetensors has no such dtype."""
+        torch = _torch()
+        dtype = str(d.dtype).removeprefix("torch.")
+        if dtype not in TORCH_DTYPES:
+            raise Refused(where, f"a tensor of dtype {dtype}")
+        info = {"kind": "torch", "dtype": dtype, "shape": list(d.shape)}
+        data = d if d.device.type == "cpu" else d.cpu()
+        if not data.is_contiguous():
+            data = data.contiguous()
+        elif data is d and self._overlaps(data.data_ptr(), data.numel() * data.element_size()):
+            data = data.clone()  # safetensors refuses tensors sharing memory: this one gets its own
+        if dtype not in SAFE_TORCH:
+            info["raw"] = True
+            data = data.reshape(-1).view(torch.uint8)
+        return self._add(where, info, data)
 
     def _overlaps(self, start: int, nbytes: int) -> bool:
         """Whether [start, start + nbytes) overlaps memory written so far (else it is noted as written)."""
