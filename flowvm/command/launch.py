@@ -109,8 +109,13 @@ def _launch(args, nproc: int) -> int:
     except ValueError as err:
         raise SystemExit(f"flowvm: {err}") from None
     args.stop.restore()  # the agent takes SIGINT/SIGTERM over and passes them to the ranks
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         run_elastic(cfg, sys.executable, "-m", "flowvm", *args.argv)
+    except SignalException as err:  # the launcher was signalled: the agent passed it on to the ranks, which
+        # agreed to stop, saved and said so (rank 0), in the time the agent gives them
+        return 128 + int(err.sigval)
     except RankError as err:
         if err.stopped() is not None:  # the ranks agreed to stop on a signal, saved, and rank 0 said so
             return 128 + err.stopped()

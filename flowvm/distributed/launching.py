@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..base.errors import FlowError
+from ..pickled import stable
 from ..persist.pickler import Unpickler, pickle_bytes
 from . import checkpoints, group
 
@@ -38,6 +39,7 @@ class Finished:
     status: int = 0
 
 
+@stable("flowvm.distributed")
 class RankError(FlowError):
     """A rank of a data-parallel run failed: ``rank`` is its number, ``exitcode`` its exit status (a negative
     signal number when killed), ``message`` its error and ``traceback`` where it was raised (when known)."""
