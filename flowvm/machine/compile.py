@@ -13,6 +13,7 @@ import keyword
 from typing import Any, Callable
 
 from ..program.elements import CALL, PRINT, Element
+from ..program.kinds import KindTable
 from ..program.registers import Register, has_registers, resolve
 
 
@@ -36,29 +37,39 @@ def _arg_source(value: Any, name: str, ns: dict) -> str:
     return name
 
 
+def _call_source(el: CALL, ns: dict) -> str:
+    ns["fn"] = el.fn
+    parts = [_arg_source(a, f"a{i}", ns) for i, a in enumerate(el.args)]
+    for i, (key, value) in enumerate(el.kwargs.items()):
+        if key.isidentifier() and not keyword.iskeyword(key):
+            parts.append(f"{key}={_arg_source(value, f'k{i}', ns)}")
+        else:  # a keyword that is not an identifier can only be passed through **
+            ns[f"kw{i}"] = {key: value}
+            parts.append(f"**resolve(kw{i}, R)")
+    call = f"fn({', '.join(parts)})"
+    if el.store_to is None:
+        return f"def leaf():\n    return {call}\n"
+    return f"def leaf():\n    v = {call}\n    R[{el.store_to.name!r}] = v\n    return v\n"
+
+
+def _print_source(el: PRINT, ns: dict) -> str:
+    ns["objs"] = el.objs
+    ns["sep"] = el.sep
+    return "def leaf():\n    print(*resolve(objs, R), sep=sep)\n"
+
+
+LEAF_SOURCE = KindTable("leaf source", lambda el, ns: None, {CALL: _call_source, PRINT: _print_source})
+"""The source of a simple leaf's function, by kind: ``fn(el, ns)`` returns the text of ``def leaf(): ...``
+and puts the names it uses in ns (``R`` is the register file, ``resolve`` fills registers in).  Default:
+None, for a simple leaf kind that makes its own function with ``leaf_for(registers)``."""
+
+
 def _build(el: Element, regs: dict) -> Callable[[], Any]:
     ns: dict[str, Any] = {"R": regs, "resolve": resolve}
-    if isinstance(el, CALL):
-        ns["fn"] = el.fn
-        parts = [_arg_source(a, f"a{i}", ns) for i, a in enumerate(el.args)]
-        for i, (key, value) in enumerate(el.kwargs.items()):
-            if key.isidentifier() and not keyword.iskeyword(key):
-                parts.append(f"{key}={_arg_source(value, f'k{i}', ns)}")
-            else:  # a keyword that is not an identifier can only be passed through **
-                ns[f"kw{i}"] = {key: value}
-                parts.append(f"**resolve(kw{i}, R)")
-        call = f"fn({', '.join(parts)})"
-        if el.store_to is None:
-            src = f"def leaf():\n    return {call}\n"
-        else:
-            src = f"def leaf():\n    v = {call}\n    R[{el.store_to.name!r}] = v\n    return v\n"
-    elif isinstance(el, PRINT):
-        ns["objs"] = el.objs
-        ns["sep"] = el.sep
-        src = "def leaf():\n    print(*resolve(objs, R), sep=sep)\n"
-    elif el.simple_leaf:
+    src = LEAF_SOURCE.of(el)(el, ns)
+    if src is None:
+        if not el.simple_leaf:  # pragma: no cover - guarded by the driver
+            raise TypeError(f"{el.kind} is not a simple leaf element")
         return el.leaf_for(regs)
-    else:  # pragma: no cover - guarded by the driver
-        raise TypeError(f"{el.kind} is not a simple leaf element")
     exec(compile(src, f"<flowvm {el.kind}>", "exec"), ns)
     return ns["leaf"]

@@ -182,18 +182,13 @@ def _check_weave(el: WEAVE, path: tuple, before: frozenset, program: Element) ->
     return frozenset(after)
 
 
-def _check_unknown(cls: type):
-    raise TypeError(f"unknown element kind {cls.__name__}: not a flowvm element")
-
-
 CHECK = KindTable("verify", None, {
     Element: _check_in_order, SEQ: _check_in_order, REPEAT: _check_counted, BUFFER: _check_counted,
     LOOP: _check_loop, WHILE: _check_while, SWITCH: _check_switch, WEAVE: _check_weave,
 })
 """verify's check of one element, by kind: ``fn(el, path, before, program)`` checks el given the names of
 the registers that may be written before it and returns those after it, calling ``_check`` on children
-(default, for any Element: the children run in order)."""
-CHECK.missing = _check_unknown
+(for any Element without an entry of its own: the children run in order)."""
 
 
 # ------------------------------------------------ instances (flowvm.editing.namespaces) that write one register
