@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..program.elements import Element
+from ..program.elements import WEAVE, Element
+from ..program.kinds import KindTable
 
 
 def rebuild(el: Element, children) -> Element:
@@ -23,15 +24,19 @@ def rebuild(el: Element, children) -> Element:
 Visit = Callable[[Element, tuple[int, ...]], Element]
 
 
+SCHEDULES_BY_STEPS = KindTable("schedules by steps", lambda el: False, {WEAVE: lambda el: True})
+"""Whether a container's schedule counts its children's steps (a WEAVE's turns), by kind (default: False):
+the passes leave alone what is inside such a container."""
+
+
 def under_weave(program: Element) -> set[tuple[int, ...]]:
-    """Paths of the elements inside a WEAVE, whose schedule counts steps: a pass that changes how many
-    steps a part takes leaves these alone."""
-    from ..program.elements import WEAVE
+    """Paths of the elements inside a WEAVE (or another container whose schedule counts steps,
+    ``SCHEDULES_BY_STEPS``): a pass that changes how many steps a part takes leaves these alone."""
     from ..program.paths import walk
 
     inside: set[tuple[int, ...]] = set()
     for path, el in walk(program):
-        if type(el) is WEAVE or (path and path[:-1] in inside):
+        if SCHEDULES_BY_STEPS.of(el)(el) or (path and path[:-1] in inside):
             inside.add(path)
     return inside
 
