@@ -132,3 +132,16 @@ def test_the_builtin_kinds_keep_their_entries():
     reg = Registers(x=0)
     assert str(WEAVE(-1, [REPEAT(2, CALL(abs, reg("x")))], weights=[2])).splitlines()[0] == "WEAVE all of 1 (weights 2):"
     assert HEADER[REPEAT](REPEAT(3, CALL(abs, reg("x")), counter=reg("i"))) == "REPEAT 3 (counter i):"
+
+
+def test_the_passes_leave_alone_what_is_inside_a_container_whose_schedule_counts_steps():
+    from flowvm.passes.rewrite import SCHEDULES_BY_STEPS, under_weave
+
+    class TURNS(THRICE):
+        kind = "TURNS"
+
+    reg = Registers(x=0)
+    prog = SEQ([TURNS(SEQ([CALL(abs, reg("x"))])), WEAVE(-1, [CALL(abs, reg("x"))])])
+    assert under_weave(prog) == {(1,), (1, 0)}
+    SCHEDULES_BY_STEPS.register(TURNS, lambda el: True)
+    assert under_weave(prog) == {(0,), (0, 0), (0, 0, 0), (1,), (1, 0)}
