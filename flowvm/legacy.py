@@ -121,10 +121,16 @@ class _Package(types.ModuleType):
 
 
 def package_getattr(name: str):
-    """flowvm.NAME for an old module name not imported yet (``flowvm.checkpoint``, ``flowvm.errors``)."""
-    if f"flowvm.{name}" in MOVED:
-        return importlib.import_module(f"flowvm.{name}")
-    raise AttributeError(f"module 'flowvm' has no attribute {name!r}")
+    """flowvm.NAME for an old module name not imported yet (``flowvm.checkpoint``, ``flowvm.errors``): the
+    old module, with the warning its import gives, said where flowvm.NAME is written."""
+    old = f"flowvm.{name}"
+    if old not in MOVED:
+        raise AttributeError(f"module 'flowvm' has no attribute {name!r}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = importlib.import_module(old)
+    deprecated(f"the module {old}", MOVED[old][0])
+    return module
 
 
 def _old_names(package: str):

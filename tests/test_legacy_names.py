@@ -112,9 +112,12 @@ def test_an_old_module_named_like_a_function_leaves_the_function(fresh):
 
 
 def test_old_modules_are_attributes_of_the_package_too(fresh):
-    with pytest.warns(DeprecationWarning, match="use flowvm.program.analysis.writes"):
+    with pytest.warns(DeprecationWarning) as record:
         writes = flowvm.analysis.writes
     assert writes is importlib.import_module("flowvm.program.analysis").writes
+    assert [str(w.message).rpartition(": use ")[2] for w in record] == ["flowvm.program.analysis",
+                                                                     "flowvm.program.analysis.writes"]
+    assert {w.filename for w in record} == {__file__}
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         flowvm.nothing
 
