@@ -9,7 +9,6 @@ import pytest
 from flowvm.editing.edit import EditError
 from flowvm.base.errors import CheckpointError, FlowError, RegisterError, SwitchError, VerifyError
 from flowvm.base.errors import SpawnError, SpawnTimeout, WorkerError
-from flowvm.distributed.launching import RankError
 from flowvm.distributed import RankError
 from flowvm.passes import PassError, UnknownPassError
 from flowvm.processes.leaves import CommandError
@@ -29,7 +28,6 @@ SAMPLES = [
     FlowError("plain"),
     UnknownPassError("no optimizer pass named 'nope'; known passes: flatten", "nope"),
     WorkerError("Batches: worker 1 (pid 123) failed on sample 7: ValueError"),
-    RankError(1, 2, "ValueError: boom", "Traceback (most recent call last): ..."),
     RankError(1, 1, "ValueError: boom", "Traceback (most recent call last): ..."),
 ]
 
