@@ -44,9 +44,9 @@ def plain_tensor(a: Any) -> bool:
 
 def aoti_available() -> bool:
     """Whether this torch loads AOTInductor packages and this program can start a python child."""
-    import torch
+    from . import internals
 
-    return hasattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader") and not getattr(sys, "frozen", False)
+    return internals.aoti_loadable() and not getattr(sys, "frozen", False)
 
 
 def holds_state(value: Any) -> bool:
@@ -78,7 +78,9 @@ def torch_function(fn: Any) -> bool:
 
     import torch
 
-    if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    from . import internals
+
+    if internals.is_op_overload(fn):
         return True
     if not isinstance(fn, (types.BuiltinFunctionType, types.FunctionType, types.MethodDescriptorType,
                            types.WrapperDescriptorType)):
@@ -88,7 +90,7 @@ def torch_function(fn: Any) -> bool:
         return False  # a bound method: its object is state
     module = getattr(fn, "__module__", None) or getattr(owner, "__name__", None) or ""
     if isinstance(fn, (types.MethodDescriptorType, types.WrapperDescriptorType)):
-        return getattr(fn, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase)
+        return getattr(fn, "__objclass__", None) in (torch.Tensor, internals.tensor_base())
     return module == "torch" or module.startswith(("torch.", "torch._C"))
 
 

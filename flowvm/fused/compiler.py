@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 
+from . import internals
 from .codegen import _barrier_index
 from .isolation import isolate_random_state, isolate_tracing
 from .checks import holds_state, mismatch, plain_graph, plain_tensor, torch_function
@@ -180,25 +181,7 @@ def _compiler_ready(names: tuple[str, ...]) -> bool:
 def _inductor_after_tracing(s, traced: threading.Event) -> Callable:
     """Inductor as torch.compile runs it (``mode``, ``options``, ``dynamic``), setting ``traced``
     when AOTAutograd hands its first graph (on fake tensors) to inductor's inner compiler."""
-    import inspect
-
-    import torch
-    from torch._inductor import compile_fx as cfx
-
-    wrapper = torch._TorchCompileInductorWrapper(s.mode, dict(s.options), s.dynamic)
-    extra = {}
-    if "compile_region_name" in inspect.signature(cfx.compile_fx).parameters:
-        extra["compile_region_name"] = getattr(wrapper, "name", None)
-
-    def inner_compile(*args, **kwargs):
-        traced.set()
-        return cfx.compile_fx_inner(*args, **kwargs)
-
-    def inductor(gm, example_inputs):
-        return cfx.compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=dict(wrapper.config),
-                              **extra)
-
-    return inductor
+    return internals.inductor_after_tracing(s.mode, dict(s.options), s.dynamic, traced)
 
 
 def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
@@ -214,8 +197,6 @@ def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
     fused step spends more time in dynamo's guards and frame handling than in its kernel, so this is
     where compiling pays off for it.  None when the head does not qualify (or anything fails).
     """
-    import torch
-
     from .reads import Reads, Unchecked
 
     s = rt.settings
@@ -233,16 +214,10 @@ def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
     except Unchecked:
         return None
     try:
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        head = gen.head
-        with torch.no_grad():
-            gm = make_fx(head, tracing_mode="fake")(*args)
+        gm = internals.fake_trace(gen.head, args)
         if plain_graph(gm) is not None:
             return None  # in-place, view or random ops, or results that are not new tensors: left to dynamo
-        with torch._inductor.config.patch(dict(s.options)):
-            fn = compile_fx_inner(gm, list(args))
+        fn = internals.inductor_graph(gm, list(args), dict(s.options))
     except Exception:
         return None
     layouts = tuple((type(a), a.dtype, a.device, a.shape, a.stride()) for a in args)

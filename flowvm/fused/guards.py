@@ -34,14 +34,12 @@ import builtins
 import collections
 import copy
 import hashlib
-import os
 import re
 import sys
 import types
 from typing import Any, Callable
 
-from . import internals
-from .checks import torch_code
+from .refused import Refused
 
 # what a kind checks before each call, given the source's value ``v`` and what the parent recorded ``o``
 _CHECKS = {
@@ -180,171 +178,15 @@ def _recorded(kind: str, value: Any, extra: Any) -> Any:
     return value
 
 
-# ------------------------------------------------------------------------------------------------ the child
-def _by_value_globals(roots: list) -> dict[str, dict]:
-    """For each module name, the globals of the functions reachable from roots that the parent pickled by
-    value (a ``__main__`` script's): their globals are not their module's in this process."""
-    found: dict[str, dict] = {}
-    seen: set[int] = set()
-    todo = list(roots)
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, type):
-            for base in obj.__mro__:
-                todo.extend(vars(base).values())
-        elif isinstance(obj, (staticmethod, classmethod)):
-            todo.append(obj.__func__)
-        elif isinstance(obj, property):
-            todo.extend(f for f in (obj.fget, obj.fset) if f is not None)
-        elif isinstance(obj, types.FunctionType):
-            g = obj.__globals__
-            name = g.get("__name__")
-            module = sys.modules.get(name) if isinstance(name, str) else None
-            if name is not None and (module is None or vars(module) is not g):
-                found.setdefault(name, {}).update(g)
-                todo.extend(v for v in g.values() if isinstance(v, (types.FunctionType, type)))
-            for cell in obj.__closure__ or ():
-                try:
-                    todo.append(cell.cell_contents)
-                except ValueError:
-                    pass
-    return found
-
-
-class Untraceable(Exception):
-    """Dynamo cannot make the step one graph of tensor operations with no other effect (the message says
-    why)."""
-
-
 def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
-    """In the child: dynamo's guards of ``head(*inputs)`` (its modules as unpickled here), as
-    ``{"guards": [[kind, source, description, extra]...], "imports": {global name: module name},
-    "classes": {the user's class.method: its code}}`` (raises Untraceable)."""
-    roots: list = [head] + [v for v in head.__globals__.values() if callable(v)]
-    for module in modules:
-        for sub in module.modules():
-            roots.append(type(sub))
-            roots.extend(v for v in vars(sub).values() if callable(v))
-    by_value = _by_value_globals(roots)
-    own = set(head.__globals__)  # dynamo adds the modules it reads through to them
-    saved = {name: sys.modules.get(name) for name in by_value}
-    made: dict[str, Any] = {}
-    try:
-        for name, g in by_value.items():  # torch 2.13 reads a by-value function's globals through its module
-            stand_in = types.ModuleType(name)
-            if saved[name] is not None and name != "__main__":  # imported here too, for code pickled by reference
-                stand_in.__dict__.update(vars(saved[name]))
-            stand_in.__dict__.update(g)
-            sys.modules[name] = made[name] = stand_in
-        try:
-            seen = internals.dynamo_trace(head, inputs, grad)
-        except Exception as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise Untraceable(f"dynamo cannot trace it as one graph ({first})") from None
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-    if seen.changed:
-        raise Untraceable(f"it changes objects of the program ({seen.changed[0]})")
-    extra = {name: value for name, value in seen.scope.items() if name not in own}
-    imports = _imports(extra)
-    state = {id(t) for module in modules for t in (*module.parameters(), *module.buffers())}
-    guards = [g for g in (_guard(e, state) for e in seen.guards) if g is not None]
-    _same_in_both(head, guards, _by_value_scopes(extra, made, saved, by_value))
-    named = [type(e.value) for e in seen.guards if e.kind == "TYPE_MATCH" and e.has_value]
-    return {"guards": guards, "imports": imports, "classes": _classes(_user_classes(modules, named))}
+    """In the child: dynamo's guards of ``head(*inputs)`` (flowvm/fused/guardtrace.py; raises Refused)."""
+    from .guardtrace import trace as traced
+
+    return traced(head, modules, inputs, grad)
 
 
 _GLOBALS_OF = "globals of "  # an import that is a module's globals dict (torch >= 2.14 names them so)
-
-
-def _imports(extra: dict[str, Any]) -> dict[str, str]:
-    """What each global dynamo added to the step's (the modules it read code through, a function's globals)
-    is, by a name the parent resolves in its own process."""
-    imports: dict[str, str] = {}
-    for name, value in extra.items():
-        if isinstance(value, types.ModuleType):
-            imports[name] = value.__name__
-        elif value is vars(builtins):
-            imports[name] = "builtins.__dict__"
-        elif internals.is_globals_scope(name):
-            module = value.get("__name__") if isinstance(value, dict) else None
-            if not isinstance(module, str):
-                raise Untraceable(f"it reads the globals of code that is not a module's ({name})")
-            imports[name] = _GLOBALS_OF + module
-    return imports
-
-
-def _by_value_scopes(extra: dict[str, Any], made: dict[str, Any], saved: dict[str, Any],
-                     by_value: dict[str, dict]) -> dict[str, Any]:
-    """The globals of the step (by their names in ``G``) through which it read code of a module that is
-    also imported here, pickled by value (a stand-in module on torch 2.13, the function's own globals on
-    2.14), each with the module as imported here."""
-    real = {name for name in made if saved[name] is not None and name != "__main__"}
-    found: dict[str, Any] = {}
-    for key, value in extra.items():
-        if isinstance(value, types.ModuleType) and value.__name__ in real and value is made[value.__name__]:
-            found[key] = saved[value.__name__]
-        elif internals.is_globals_scope(key) and isinstance(value, dict):
-            name = value.get("__name__")
-            if name in real and value is not vars(saved[name]):
-                found[key] = vars(saved[name])
-    return found
-
-
-def _guard(e: Any, state: set[int]) -> list | None:
-    """One of dynamo's guards as ``[kind, source, description, extra]`` for the parent (None: checked
-    elsewhere or not at all); raises Untraceable for one the parent cannot check."""
-    kind, source = e.kind, e.source
-    if kind == "TENSOR_MATCH" and not source.startswith("L["):
-        if id(e.value) not in state:
-            raise Untraceable(f"a tensor constant: {source} is not a parameter, buffer or input of the step "
-                              "(the package would hold its values)")
-        if not _STATE.fullmatch(source):  # a parameter reached through a global: the same one at each call
-            return ["ID_MATCH", source, describe("ID_MATCH", e.value), None]
-        return None
-    if e.has_value and isinstance(e.value, os._Environ):
-        raise Untraceable(f"it reads environment variables ({source}), which dynamo's guards do not check")
-    if kind in _SKIPPED or not source:
-        return None  # tensors; the grad mode and torch's global settings (checked or sent as settings)
-    if kind not in _CHECKS:
-        raise Untraceable(f"a guard of a kind not checked here ({kind} on {source})")
-    names = {n.id for n in ast.walk(ast.parse(source, mode="eval")) if isinstance(n, ast.Name)}
-    if not names <= _NAMES:
-        raise Untraceable(f"a guard on something not global ({kind} on {source})")
-    extra = e.keywords.get("attr", e.keywords.get("key"))
-    if kind == "DUPLICATE_INPUT":
-        extra = e.keywords["source_b"].name
-    if not (extra is None or type(extra) in (str, int, float, bool)):
-        raise Untraceable(f"a guard on a key that is not a plain value ({kind} on {source})")
-    if not e.has_value:
-        raise Untraceable(f"a guard whose value dynamo could not read ({kind} on {source})")
-    return [kind, source, describe(kind, e.value, extra), extra]
-
-
-def _same_in_both(head: Callable, guards: list, swapped: dict[str, Any]) -> None:
-    """A module whose code is partly pickled by value (a lambda of it, with the program's values of its
-    globals) and partly imported here (its classes, with the values of its import): each guard read through
-    it must describe alike in both, or the package would compute with values the guards do not name."""
-    if not swapped:
-        return
-    scope = dict(head.__globals__, **swapped)
-    for kind, source, want, extra in guards:
-        if not any(f"G[{key!r}]" in source for key in swapped):
-            continue
-        try:
-            got = describe(kind, eval(compile(source, "<flowvm guard>", "eval"), {"G": scope}), extra)  # noqa: S307
-        except Exception as err:
-            got = f"unreadable ({type(err).__name__})"
-        if got != want:
-            raise Untraceable(f"{source} is {got} for the module's code imported here but {want} for code of it "
-                              "pickled with the program's values")
+Untraceable = Refused  # dynamo cannot make the step one graph of tensor operations with no other effect
 
 
 def _user_classes(modules: list, named: list[type]) -> list[type]:

@@ -78,3 +78,201 @@ def is_globals_scope(name: str) -> bool:
     them through ``sys.modules`` by the module's name)."""
     return name.startswith(_DYNAMO_SCOPE_PREFIX)
 
+
+
+# ------------------------------------------------------------------------------------ torch's C side
+def torch_c() -> Any:
+    import torch
+
+    return torch._C
+
+
+def tensor_base() -> type:
+    import torch
+
+    return torch._C.TensorBase
+
+
+def is_op_overload(fn: Any) -> bool:
+    """Whether fn is one of torch's operators (``torch.ops.aten.sin.default`` or its packet)."""
+    import torch
+
+    return isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def aoti_loadable() -> bool:
+    """Whether this torch loads AOTInductor packages."""
+    import torch
+
+    return hasattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader")
+
+
+# ------------------------------------------------------------------------------------ settings of the moment
+def autocast_enabled() -> bool:
+    import torch
+
+    return torch._C._is_any_autocast_enabled()
+
+
+def mode_depths() -> tuple[Callable[[], int], Callable[[], int]]:
+    """The functions giving how many torch function modes and dispatch modes are active (generated checks
+    call them before each call of a compiled step)."""
+    import torch
+
+    return torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack
+
+
+def mkldnn_enabled() -> Callable[[], bool]:
+    import torch
+
+    return torch._C._get_mkldnn_enabled
+
+
+def global_state_guard() -> Any:
+    """Dynamo's check of the torch settings of the moment (default dtype, grad and inference mode, autocast,
+    deterministic algorithms, matmul precision, threads): an object whose ``check()`` says whether they are
+    unchanged, or None on a torch without it."""
+    try:
+        from torch._C._dynamo.guards import GlobalStateGuard
+    except ImportError:  # pragma: no cover - another torch
+        return None
+    return GlobalStateGuard()
+
+
+def fx_patcher() -> Any:
+    """torch.fx's patcher of globals and methods while it traces (None on a torch without one)."""
+    try:
+        from torch.fx import _symbolic_trace
+    except ImportError:  # pragma: no cover - no torch: nothing compiles
+        return None
+    return getattr(_symbolic_trace, "_Patcher", None)
+
+
+# ----------------------------------------------------------------------------------------- the thread's compile
+def inductor_after_tracing(mode: Any, options: dict, dynamic: Any, traced: Any) -> Callable:
+    """Inductor as torch.compile runs it (``mode``, ``options``, ``dynamic``), setting the event ``traced``
+    when AOTAutograd hands its first graph (on fake tensors) to inductor's inner compiler."""
+    import inspect
+
+    import torch
+    from torch._inductor import compile_fx as cfx
+
+    wrapper = torch._TorchCompileInductorWrapper(mode, dict(options), dynamic)
+    extra = {}
+    if "compile_region_name" in inspect.signature(cfx.compile_fx).parameters:
+        extra["compile_region_name"] = getattr(wrapper, "name", None)
+
+    def inner_compile(*args, **kwargs):
+        traced.set()
+        return cfx.compile_fx_inner(*args, **kwargs)
+
+    def inductor(gm, example_inputs):
+        return cfx.compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=dict(wrapper.config),
+                              **extra)
+
+    return inductor
+
+
+def lookup_backend(name: str) -> Callable:
+    import torch
+
+    return torch._dynamo.lookup_backend(name)
+
+
+def is_aot_backend(backend: Any) -> bool:
+    """Whether a backend compiles through AOTAutograd (which reads the real inputs again before compiling)."""
+    from torch._dynamo.backends.common import AotAutograd
+
+    return isinstance(backend, AotAutograd)
+
+
+def lowering_backward_now() -> Any:
+    """A context in which AOTAutograd compiles the backward graph with the forward one, not at the first
+    backward pass (a no-op context on a torch without the setting)."""
+    import contextlib
+
+    import torch
+
+    if getattr(torch._functorch.config, "force_non_lazy_backward_lowering", None) is None:
+        return contextlib.nullcontext()  # pragma: no cover - older torch
+    return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
+
+
+def run_only(fn: Callable) -> Callable:
+    """fn calling the code compiled for it when its guards pass, else running eagerly; never compiling.
+
+    This is ``torch._dynamo.run(fn)`` without the checks its wrapper makes on every call (tracing,
+    export, nested compiles: none apply to a step called by the driver), which cost about as much
+    as a small compiled graph takes to run."""
+    import torch
+
+    try:
+        from torch._C._dynamo.eval_frame import set_eval_frame
+    except ImportError:  # pragma: no cover - another torch layout
+        return torch._dynamo.run(fn)
+
+    def run_only(*args):
+        prior = set_eval_frame(False)  # False: run cached compiled code only (thread-local)
+        try:
+            return fn(*args)
+        finally:
+            set_eval_frame(prior)
+
+    return run_only
+
+
+def fake_trace(fn: Callable, args: tuple) -> Any:
+    """``fn(*args)`` traced on fake tensors, with no autograd, into a torch.fx graph (``make_fx``)."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch.no_grad():
+        return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def inductor_graph(gm: Any, args: list, options: dict) -> Any:
+    """Inductor's compiled graph for ``gm`` (called with a list of tensors), without dynamo."""
+    import torch
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with torch._inductor.config.patch(dict(options)):
+        return compile_fx_inner(gm, list(args))
+
+
+# ------------------------------------------------------------------------------------------ the child's compile
+def reparametrized(module: Any, tensors: dict) -> Any:
+    """A context in which module computes with these tensors in place of its parameters and buffers."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
+
+
+def aot_capture(fn: Callable, record: Callable[[str, Any, list], None]) -> Callable:
+    """``fn`` traced by AOTAutograd as torch.compile traces it (the min-cut partition): calling the result
+    runs the graphs eagerly and hands each to ``record("forward" | "backward", graph, example inputs)``."""
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def capture(kind):
+        def compiler(gm, example_inputs):
+            record(kind, gm, list(example_inputs))
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    return aot_function(fn, fw_compiler=capture("forward"), bw_compiler=capture("backward"),
+                        inference_compiler=capture("forward"), partition_fn=min_cut_rematerialization_partition)
+
+
+def aoti_package(module: Any, args: tuple, path: str, options: dict) -> None:
+    """Export ``module(*args)`` (a torch.nn.Module) and build an AOTInductor package of it at path."""
+    import torch
+
+    exported = torch.export.export(module, args, strict=False)
+    torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=options)
+
+
+def aoti_loader(path: str) -> Any:
+    """The AOTInductor package at path, loaded with torch's C++ loader (``.run(list of tensors)``)."""
+    import torch
+
+    return torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)

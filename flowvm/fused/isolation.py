@@ -20,6 +20,8 @@ import threading
 import weakref
 from typing import Any, Callable
 
+from . import internals
+
 _lock = threading.Lock()
 _installed = False
 
@@ -43,11 +45,7 @@ def isolate_tracing(thread: threading.Thread) -> bool:
     with _lock:
         if _installed:
             return True
-        try:
-            from torch.fx import _symbolic_trace
-        except ImportError:  # pragma: no cover - no torch: nothing compiles
-            return False
-        patcher = getattr(_symbolic_trace, "_Patcher", None)
+        patcher = internals.fx_patcher()
         if patcher is None or not hasattr(patcher, "patch") or not hasattr(patcher, "patch_method"):
             return False  # pragma: no cover - another torch layout
         patch, patch_method = patcher.patch, patcher.patch_method
@@ -123,5 +121,5 @@ def isolate_random_state(thread: threading.Thread) -> None:
         # per thread: setting them back on the compile thread changes nothing of the program's)
         thread_aware(torch, "set_default_dtype")
         thread_aware(torch, "use_deterministic_algorithms")
-        thread_aware(torch._C, "_set_fp32_precision_setter")
+        thread_aware(internals.torch_c(), "_set_fp32_precision_setter")
         _rng_installed = True

@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 from . import cache, outofprocess, stateful
 from .codegen import _barrier_index
-from .reads import Reads, Unchecked
+from .reads import Reads
+from .refused import Refused
 
 
 @dataclass
@@ -36,17 +37,20 @@ def describe(el: Any, gen: Any, options: dict, args: tuple) -> Job | str:
         load: Callable[[str], Any] = outofprocess.load_plain
     else:
         inputs = list(el.inputs) if gen.head_positions is None else [el.inputs[k] for k in gen.head_positions]
-        plan = stateful.plan(calls, inputs, head_args)
-        if isinstance(plan, str):
-            return plan
+        try:
+            plan = stateful.plan(calls, inputs, head_args)
+        except Refused as why:
+            return str(why)
         payload = stateful.payload(plan, dict(options))
         cacheable = not plan.guarded and all(_by_reference(type(m)) for m in plan.tree)
 
         def load(workdir: str) -> Any:
-            return stateful.Kernel(plan, workdir)
+            from .kernel import Kernel
+
+            return Kernel(plan, workdir)
     try:  # what the package will keep besides its inputs, as the child sees it (flowvm/fused/reads.py)
         reads = Reads.capture(calls)
-    except Unchecked as why:
+    except Refused as why:
         return str(why)
     layouts = tuple((type(a), a.dtype, a.device, a.shape, a.stride()) for a in head_args)
     payload = outofprocess.sized(payload)

@@ -28,7 +28,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import checks, resources
+from . import checks, internals, resources
+from .refused import Refused
 from .checks import aoti_available, holds_state, plain_graph, plain_tensor, settings, torch_function
 from .compiler import _at_exit
 
@@ -95,9 +96,7 @@ def sized(payload: bytes) -> bytes:
 
 def load_plain(workdir: str) -> Callable:
     """The package of a plain job: a list of input tensors to a list of output tensors."""
-    import torch
-
-    return torch._C._aoti.AOTIModelPackageLoader(os.path.join(workdir, PACKAGE), "model", False, 1, -1).run
+    return internals.aoti_loader(os.path.join(workdir, PACKAGE)).run
 
 
 CHILD = "import sys; from flowvm.fused.outofprocess import main; sys.exit(main(sys.argv[1:]))"
@@ -282,7 +281,7 @@ def _compile(workdir: str) -> int:
     torch.set_float32_matmul_precision(job["matmul_precision"])
     torch.use_deterministic_algorithms(job["deterministic"])
     if job["kind"] == "stateful":
-        from .stateful import Refused, compile_job
+        from .childcompile import compile_job
 
         try:
             compile_job(job, workdir)
@@ -293,10 +292,7 @@ def _compile(workdir: str) -> int:
         return 0
     head = job["head"]
     args = tuple(torch.empty_strided(shape, stride, dtype=dtype).zero_() for shape, stride, dtype in job["layouts"])
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    with torch.no_grad():
-        gm = make_fx(head, tracing_mode="fake")(*args)
+    gm = internals.fake_trace(head, args)
     reason = plain_graph(gm)
     if reason is not None:
         print(json.dumps({"refused": reason}))
@@ -306,9 +302,7 @@ def _compile(workdir: str) -> int:
         def forward(self, *inputs):
             return head(*inputs)
 
-    exported = torch.export.export(Step(), args, strict=False)
-    torch._inductor.aoti_compile_and_package(exported, package_path=os.path.join(workdir, PACKAGE),
-                                             inductor_configs=job["options"])
+    internals.aoti_package(Step(), args, os.path.join(workdir, PACKAGE), job["options"])
     print(json.dumps({"ok": True}))
     return 0
 

@@ -28,11 +28,12 @@ from typing import Any, Iterator
 
 from ..program.printer import call_text
 from ..program.registers import Register
+from . import internals
 from .checks import torch_function
+from .refused import Refused
 
 
-class Unchecked(Exception):
-    """A value a compiled form would read that is neither immutable nor checkable (the message names it)."""
+Unchecked = Refused  # a value a compiled form would read that is neither immutable nor checkable (named)
 
 
 _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None), type(Ellipsis), type(NotImplemented),
@@ -154,25 +155,19 @@ class _State:
     def __init__(self):
         import torch
 
-        try:
-            from torch._C._dynamo.guards import GlobalStateGuard
-        except ImportError:  # pragma: no cover - another torch
-            GlobalStateGuard = None
-        self.guard = GlobalStateGuard() if GlobalStateGuard is not None else None
+        self.guard = internals.global_state_guard()
         self.values = self._read(torch)
 
     @staticmethod
     def _read(torch: Any) -> tuple:
         return (torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                torch._C._is_any_autocast_enabled(), torch.are_deterministic_algorithms_enabled(),
-                torch.get_float32_matmul_precision(), torch.get_num_threads(), torch._C._get_mkldnn_enabled(),
-                torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack())
+                internals.autocast_enabled(), torch.are_deterministic_algorithms_enabled(),
+                torch.get_float32_matmul_precision(), torch.get_num_threads(), internals.mkldnn_enabled()(),
+                *(depth() for depth in internals.mode_depths()))
 
     def source(self, ns: dict) -> list[str]:
-        import torch
-
-        ns["_state_modes"] = (torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack)
-        ns["_state_mkldnn"] = torch._C._get_mkldnn_enabled
+        ns["_state_modes"] = internals.mode_depths()
+        ns["_state_mkldnn"] = internals.mkldnn_enabled()
         parts = [f"_state_modes[0]() == {self.values[-2]}", f"_state_modes[1]() == {self.values[-1]}",
                  f"_state_mkldnn() is {self.values[-3]}"]
         if self.guard is not None:  # the default dtype, grad, inference, autocast, deterministic, matmul, threads

@@ -35,33 +35,23 @@ faster by more than ``margin``).  The decision shows in the element's header.
 from __future__ import annotations
 
 import os
-import statistics
 import threading
 import time
 import warnings
 from dataclasses import replace
 from typing import Any, Callable
 
-
 from ..base.errors import FusionWarning
-from ..base.errors import WarmedUp as _WarmedUp
 from ..machine.running import remaining_runs
-from . import cache, jobs, outofprocess, resources
+from . import cache
+from .choosing import MIN_TRIAL_SECONDS, Choosing, _us  # noqa: F401  (MIN_TRIAL_SECONDS: the trials' knob)
 from .codegen import generate, leaf_source
-from .compiler import (_compiler_ready, _direct_caller, _direct_compile, _inductor_after_tracing, _modules, _submit,
-                       compile_estimate, program_ran, program_waits)
-from .compiler import compile_seconds as compiler_seconds
+from .compiler import _direct_caller, compile_estimate, program_ran
+from .packaged import Packaged
+from .threadcompile import ThreadCompile, _run_only, _tls  # noqa: F401
 
 
-MIN_TRIAL_SECONDS = 0.02   # a trial times each form for at least this long (and ``trials`` executions)
-RECHECK_FACTOR = 1         # the k-th decision is checked again after (executions timed) * 10**k more
-MAX_RECHECKS = 3
-
-
-_tls = threading.local()
-
-
-class Runtime:
+class Runtime(Choosing, Packaged, ThreadCompile):
     """The live state of one FUSED element: functions, compile jobs, timings, decision."""
 
     def __init__(self, el):
@@ -254,7 +244,9 @@ class Runtime:
     def _install_direct(self) -> Callable:
         """The compiled form to call: the direct graph's generated caller once there is a direct graph."""
         if self._direct is not None and "_compiled_call" not in self.__dict__:
-            self._compiled_call = _direct_caller(self, self._direct[1], first=True)
+            _, fn, bare, _ = self._direct
+            first = self._verify or bare is not fn  # a first call to check, or a wrapper to run once
+            self._compiled_call = _direct_caller(self, fn, first=first)
         return self._compiled_call
 
     def _direct_failed(self, err: BaseException, *args):
@@ -294,67 +286,6 @@ class Runtime:
         if not self.settings.background:
             self._job_done = False
 
-    def _trial(self, *args):
-        now = time.perf_counter()
-        last = self._last
-        if last is not None:
-            self.periods[last[1]].append(now - last[0])
-        e, c = self.periods["eager"], self.periods["compiled"]
-        if self._enough(e) and self._enough(c):
-            self._decide(e[1:], c[1:])  # the first period of each form is a warm-up, left out
-            self._last = None
-            return self.current(*args)
-        form = "compiled" if len(c) <= len(e) else "eager"
-        self._last = (now, form)
-        if form == "compiled":
-            return self._compiled_call(*args)
-        return self.eager(*args)
-
-    def _enough(self, periods: list[float]) -> bool:
-        n = len(periods) - 1
-        return n >= self.settings.trials and (sum(periods) >= MIN_TRIAL_SECONDS or n >= 50 * self.settings.trials)
-
-    def _decide(self, eager: list[float], compiled: list[float]) -> None:
-        if self.state != "trial":  # the compile failed during the trial
-            return
-        me, mc = statistics.median(eager), statistics.median(compiled)
-        self.measured = (mc, me)
-        timing = f"compiled {_us(mc)} vs eager {_us(me)} per execution"
-        self.trials_done += 1
-        self.decision = f"{'compiled' if mc < me * (1 - self.settings.margin) else 'eager'}, measured {timing}"
-        self._chosen = self._compiled_call if mc < me * (1 - self.settings.margin) else self.eager
-        self.state = "compiled" if self._chosen == self._compiled_call else "eager"
-        # decide again later, after ten times as many executions, in case the machine was busy this time
-        self._executions = 0
-        self._recheck_at = RECHECK_FACTOR * (len(eager) + len(compiled)) * 10 ** self.trials_done
-        self.current = self._steady if self.trials_done <= MAX_RECHECKS else self._chosen
-        if self._cache_key is not None:  # the next run takes the faster form at once (_adopt)
-            cache.note(self._cache_key, {"compiled": self.state == "compiled", "compiled_s": mc, "eager_s": me,
-                                         "periods": len(eager) + len(compiled)})
-
-    def _adopt(self, known: dict) -> None:
-        """Take the form an earlier run measured faster with this cached package, from the first execution
-        (no trial); it is measured again, as a decision made here is, after a hundred times as many
-        executions as that run timed."""
-        compiled = known["compiled"]
-        self.measured = (known["compiled_s"], known["eager_s"])
-        timing = f"compiled {_us(known['compiled_s'])} vs eager {_us(known['eager_s'])} per execution"
-        self.decision = f"{'compiled' if compiled else 'eager'}, measured {timing} (by an earlier run)"
-        self._chosen = self._compiled_call if compiled else self.eager
-        self.state = "compiled" if compiled else "eager"
-        self.trials_done = 2
-        self._executions = 0
-        self._recheck_at = RECHECK_FACTOR * max(int(known["periods"]), 2 * self.settings.trials) * 10 ** 2
-        self.current = self._steady
-
-    def _steady(self, *args):
-        self._executions += 1
-        if self._executions >= self._recheck_at:
-            self.state, self.current = "trial", self._trial
-            self.periods = {"eager": [], "compiled": []}
-            return self._trial(*args)
-        return self._chosen(*args)
-
     def force(self, form: str, example: tuple | None = None) -> None:
         """Use form ("eager" or "compiled") from now on in this process (set_form makes it part of the
         program instead).  "compiled" waits for a compile job in flight, or compiles now for the
@@ -381,293 +312,3 @@ class Runtime:
             raise RuntimeError(f"force('compiled'): the compile failed: {self.error}") from self.error
         self._job_done = False
         self.state, self.current, self.decision = "compiled", self._install_direct(), "compiled, forced at run time"
-
-    # -- compiling
-    def _start_compile(self, args) -> None:
-        """Compile the head for these inputs, in the background thread unless settings say otherwise.
-
-        Dynamo reads the real tensors while it traces (their shapes, their ``.grad``), and the
-        autograd engine writes ``.grad`` without holding the GIL: tracing while the program goes on
-        can crash the interpreter.  So a background compile starts only when the compile thread is
-        free and its compiler modules are imported (else ``_waiting``: the next execution tries
-        again), and the calling thread waits until tracing is over (dynamo hands the graph to the
-        backend): a fraction of a second for a small step.  Lowering and compiling the graph, the
-        slow part, works on fake tensors and runs while the program goes on."""
-        try:
-            import torch
-        except ImportError as err:  # a function marked fusable, and no torch to compile it with
-            self.compiles += 1
-            self.error, self._job_done = err, True
-            return
-        background = self.settings.background
-        if background and self._out_of_process(args):
-            return
-        self._waiting = background
-        if background and not _compiler_ready(_modules(self.settings.backend)):
-            return
-        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-        pos = self.generated.head_positions
-        if pos is not None:
-            args = tuple(args[k] for k in pos)
-
-        def job():
-            start = time.perf_counter()
-            _tls.warm = True
-            try:
-                if self._compiled is None:
-                    compiled = torch.compile(self.generated.head, backend=self._backend(), fullgraph=True,
-                                             dynamic=self.settings.dynamic)
-                    self._runonly = _run_only(self.generated.head)
-                    self._compiled = compiled
-                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                    self._compiled(*args)
-            except _WarmedUp:
-                if self._direct is None:
-                    self._direct = _direct_compile(self, args, inference)
-            except Exception as err:  # a graph break, an unknown backend, a compiler error
-                if background and resources.resource_error(err) and self._tries < resources.MAX_TRIES:
-                    short.append(err)  # no thread, process or memory left for now: not the step's failure
-                else:
-                    self.error = err
-            else:  # no graph to stop at: nothing was compiled (the function ran, with nothing to fuse)
-                self.error = RuntimeError("torch.compile produced no graph for these calls")
-            finally:
-                _tls.warm = False
-                self.compile_seconds.append(time.perf_counter() - start)
-                if self.settings.backend == "inductor" and self.error is None and not short:
-                    compiler_seconds.append(self.compile_seconds[-1])
-                self._job_running = False
-                if short:
-                    self.compiles -= 1
-                    self._later()
-                else:
-                    self._job_done = True
-                self._traced.set()
-
-        short: list = []
-
-        self.compiles += 1
-        self._waiting, self._job_running = False, True
-        self._traced.clear()
-        if not background:
-            job()
-        elif _submit(job, only_if_free=True):
-            t0 = time.perf_counter()
-            program_waits()
-            self._traced.wait()
-            self.paused_seconds.append(time.perf_counter() - t0)
-        else:  # another compile took the thread first: try again at the next execution
-            self.compiles -= 1
-            self._waiting, self._job_running = True, False
-
-    def _may_go_out_of_process(self) -> bool:
-        import torch
-
-        s = self.settings
-        return not (s.compile_in != "process" or s.backend != "inductor" or s.mode not in (None, "default")
-                    or s.dynamic or s.form == "eager" or self._direct is not None or self.refused is not None
-                    or torch.is_inference_mode_enabled() or torch._C._is_any_autocast_enabled())
-
-    def _out_of_process(self, args) -> bool:
-        """Start compiling the head for these inputs in a child process (flowvm/fused/outofprocess.py), when
-        the settings and the step allow it, or take its package from the cache; whether it did.  A refusal
-        or failure there leaves the compile to the background thread: the next execution starts it."""
-        if not self._may_go_out_of_process():
-            return False
-        try:
-            return self._start_out_of_process(args)
-        except Exception as err:  # an input torch cannot describe, say: the thread compiles
-            self.refused = f"{type(err).__name__}: {err}"
-            return False
-
-    def _orphaned(self) -> None:
-        """This process was forked from the one whose child process compiles the step: the result will
-        never arrive here, so the thread compiles it."""
-        self._job_pid = None
-        if self._job_running:
-            self._job_running = False
-            self.refused = "the process forked while its compile ran"
-            self.compiles -= 1
-            self._waiting = True
-
-    def _start_out_of_process(self, args) -> bool:
-        job = jobs.describe(self.el, self.generated, self.settings.options, args)
-        if isinstance(job, str):
-            self.refused = job  # the reason it compiles on the thread
-            return False
-        if job.key is not None and self._cached(job):
-            self._job_done = True  # the next execution runs it
-            return True
-        hint = jobs.hint(self.generated, self.settings.options, args) if job.key is not None else None
-        start = time.perf_counter()
-
-        def done(run, error):
-            try:
-                if run is not None:
-                    self._direct = (job.layouts, run, run, job.reads)
-                    self._verify = True  # the first call is checked against eager (_after_first_direct_call)
-                    self._cache_key = job.key
-                    if job.key is not None:
-                        cache.add_hint(hint)
-                    self.compile_seconds.append(time.perf_counter() - start)
-                    compiler_seconds.append(self.compile_seconds[-1])
-            finally:
-                self._job_running, self._job_pid = False, None
-                if run is not None:
-                    self._job_done = True
-                else:
-                    self.refused = error or "no package"
-                    self.compiles -= 1
-                    self._waiting = True  # the next execution starts the thread's compile
-
-        self.compiles += 1
-        self._waiting, self._job_running, self._job_pid = False, True, os.getpid()
-        try:
-            outofprocess.Compile(job.payload, job.load, done, **({"key": job.key} if job.key else {}))
-        except outofprocess.Busy:  # no thread for it now: the machine is short of resources, try later
-            self.compiles -= 1
-            self._job_running, self._job_pid = False, None
-            self._later()
-        return True
-
-    def _cached(self, job: jobs.Job) -> bool:
-        """Take the step's package from the persistent cache (flowvm/fused/cache.py), if it is there and loads;
-        whether it did.  It is checked as a package just compiled is: before each call, and against eager on
-        its first."""
-        path = cache.lookup(job.key)
-        if path is None:
-            return False
-        try:
-            run = job.load(path)
-        except Exception:  # damaged, or from a torch that writes what this one cannot read
-            cache.evict(job.key)
-            return False
-        self.compiles += 1
-        self._direct = (job.layouts, run, run, job.reads)
-        self._verify, self._cache_key, self.cached = True, job.key, True
-        self._known = cache.decision(path)
-        return True
-
-    def _from_cache(self, args) -> bool:
-        """At the step's first execution: whether its package came from the persistent cache (then it runs
-        compiled from now on, whatever ``compile_after`` and ``payback`` say: it costs no compile)."""
-        if cache.root() is None or not self._may_go_out_of_process():
-            return False
-        try:
-            if not cache.may_hold(jobs.hint(self.generated, self.settings.options, args)):
-                return False  # never stored: no need to pickle the step for its key
-            job = jobs.describe(self.el, self.generated, self.settings.options, args)
-        except Exception:  # it does not pickle: the compile says why, in its time
-            return False
-        return not isinstance(job, str) and job.key is not None and self._cached(job)
-
-    def _later(self) -> None:
-        """The machine is short of resources (threads, memory): start this compile again after a while."""
-        self._tries += 1
-        self._retry_at = time.monotonic() + resources.backoff(self._tries)
-        self._waiting = True
-
-    def _backend(self) -> Callable:
-        """The backend given to torch.compile: the settings' backend, telling ``_traced`` when the
-        real tensors have been read (see _start_compile), stopping the warm-up call before it runs
-        anything, and counting the calls that enter the compiled code."""
-        import torch
-
-        s = self.settings
-        runtime = self
-        traced_at_entry = True  # a backend given the graph reads no more real tensors ("eager", most callables)
-        if callable(s.backend):
-            inner = s.backend
-        elif s.backend == "inductor":
-            inner = _inductor_after_tracing(s, self._traced)
-        else:
-            inner = torch._dynamo.lookup_backend(s.backend)
-        from torch._dynamo.backends.common import AotAutograd
-
-        if s.backend == "inductor" or isinstance(inner, AotAutograd):
-            # AOTAutograd reads the real inputs again (their .grad too) before compiling: inductor
-            # tells when that is over; for other AOT backends the program waits for the whole compile
-            traced_at_entry = False
-
-        def flowvm_backend(gm, example_inputs):
-            if traced_at_entry:
-                runtime._traced.set()
-            patch = getattr(torch._functorch.config, "force_non_lazy_backward_lowering", None)
-            if patch is not None:  # compile the backward now, not on the first backward() in the main thread
-                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-                    fn = inner(gm, example_inputs)
-            else:  # pragma: no cover - older torch
-                fn = inner(gm, example_inputs)
-
-            def run(*a):
-                if getattr(_tls, "warm", False):
-                    raise _WarmedUp()
-                runtime.hits += 1
-                return fn(*a)
-
-            return run
-
-        return flowvm_backend
-
-    # -- printing
-    def status(self) -> str:
-        text = self._status()
-        if self._direct is not None and self.state in ("compiled", "trial", "eager"):
-            changed = self._direct[3].changed()  # what the compiled form read, changed since: it runs eagerly
-            if changed is not None:
-                text += f"; eager while {changed}"
-        return text
-
-    def _status(self) -> str:
-        s = self.settings
-        if s.form == "eager":
-            return "eager (forced)"
-        if self.generated.head is None:
-            return "eager, nothing to compile before the backward pass"
-        if self.state == "new":
-            return "not run yet"
-        if self.state == "proving":
-            return (f"eager; compiles once it has run {self.settings.compile_after:g} s "
-                    f"({self._eager_seconds:.1f} s so far)")
-        if self.state == "compiling":
-            if self._job_pid is not None:  # an out-of-process compile under way
-                return "compiling in the background (in another process), eager meanwhile"
-            return "compiling in the background, eager meanwhile"
-        if self.state == "trial":
-            n = min(len(self.periods["eager"]), len(self.periods["compiled"]))
-            done = max(n - 1, 0)
-            if done < s.trials:
-                return f"measuring compiled against eager ({done} of {s.trials} runs each)"
-            return f"measuring compiled against eager ({done} runs each, until each form has run " \
-                   f"{MIN_TRIAL_SECONDS:g} s)"
-        if self.state == "compiled" and self.decision == "forced":
-            return "compiled (forced)"
-        return self.decision
-
-
-def _run_only(fn: Callable) -> Callable:
-    """fn calling the code compiled for it when its guards pass, else running eagerly; never compiling.
-
-    This is ``torch._dynamo.run(fn)`` without the checks its wrapper makes on every call (tracing,
-    export, nested compiles: none apply to a step called by the driver), which cost about as much
-    as a small compiled graph takes to run."""
-    import torch
-
-    try:
-        from torch._C._dynamo.eval_frame import set_eval_frame
-    except ImportError:  # pragma: no cover - another torch layout
-        return torch._dynamo.run(fn)
-
-    def run_only(*args):
-        prior = set_eval_frame(False)  # False: run cached compiled code only (thread-local)
-        try:
-            return fn(*args)
-        finally:
-            set_eval_frame(prior)
-
-    return run_only
-
-
-def _us(seconds: float) -> str:
-    us = seconds * 1e6
-    return f"{us:.1f} µs" if us < 10000 else f"{seconds * 1e3:.1f} ms"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flowvm import CALL, REPEAT, SEQ, Registers
-from flowvm.fused import cache, jobs, outofprocess, runtime
+from flowvm.fused import cache, compiler, jobs, outofprocess, threadcompile
 from flowvm.passes.fuse_torch import fuse_torch
 
 
@@ -160,7 +160,7 @@ def test_an_entry_whose_first_result_differs_from_eager_is_evicted(cache_dir, mo
     cache.add_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)))  # as a compile that stored it does
     head = rt.generated.head
     monkeypatch.setattr(outofprocess, "load_plain", lambda path: lambda inputs: [o + 1 for o in head(*inputs)])
-    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: False)  # the thread's compile: not here
+    monkeypatch.setattr(threadcompile, "_compiler_ready", lambda names: False)  # the thread's compile: not here
     fast.run()
     assert rt.cached and rt.refused.startswith("its first result differs from eager's")
     assert not (cache_dir / key).exists()
@@ -244,7 +244,7 @@ def _stored(cache_dir, monkeypatch, prog, reg, decision=None):
     (cache_dir / key / outofprocess.PACKAGE).write_bytes(b"a package")
     head = rt.generated.head
     monkeypatch.setattr(outofprocess, "load_plain", lambda path: lambda inputs: list(head(*inputs)))
-    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: False)  # the thread's compile: not here
+    monkeypatch.setattr(threadcompile, "_compiler_ready", lambda names: False)  # the thread's compile: not here
     if decision is not None:
         cache.note(key, decision)
     return fast, rt, cache_dir / key
@@ -256,8 +256,11 @@ def test_a_warm_start_takes_the_form_an_earlier_run_measured_faster_from_the_fir
     prog, reg = _chain(40)
     measured = {"compiled": compiled, "compiled_s": 8e-6, "eager_s": 12e-6, "periods": 300}
     fast, rt, _ = _stored(cache_dir, monkeypatch, prog, reg, measured)
+    checked = []
+    monkeypatch.setattr(compiler, "mismatch", lambda *a: checked.append(1))
     fast.run()
     assert rt.cached and rt.periods == {"eager": [], "compiled": []}  # no trial
+    assert checked == []  # nor a check of the first call against eager: the earlier run made it
     assert rt.state == ("compiled" if compiled else "eager") and rt.hits == (40 if compiled else 0)
     assert "measured compiled 8.0 µs vs eager 12.0 µs per execution (by an earlier run)" in fast.body.header_text()
     assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))

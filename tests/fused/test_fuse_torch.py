@@ -350,9 +350,9 @@ def test_an_unknown_backend_is_a_compile_failure_too():
 
 # ------------------------------------------------------------------ choosing and overriding
 def test_auto_times_both_forms_and_shows_the_decision_which_set_form_overrides(monkeypatch):
-    from flowvm.fused import runtime as fused_runtime
+    from flowvm.fused import choosing
 
-    monkeypatch.setattr(fused_runtime, "MIN_TRIAL_SECONDS", 0.0)
+    monkeypatch.setattr(choosing, "MIN_TRIAL_SECONDS", 0.0)
     reg = Registers(x=torch.ones(3))
     prog = REPEAT(40, SEQ([CALL(F.relu, reg("x"), store_to=reg("x")), CALL(F.softplus, reg("x"), store_to=reg("x"))]))
     fast = fuse_torch(prog, trials=3, **EAGER_BACKEND)
@@ -652,9 +652,9 @@ def test_a_compiled_run_saved_mid_way_finishes_in_a_fresh_process(tmp_path):
 def test_switching_forms_mid_run_keeps_the_random_numbers(monkeypatch):
     """With inductor's fallback_random, compiled dropout draws what eager dropout draws; the eager
     backend runs the same aten ops: either way auto may switch forms at any step without changing them."""
-    from flowvm.fused import runtime as fused_runtime
+    from flowvm.fused import choosing
 
-    monkeypatch.setattr(fused_runtime, "MIN_TRIAL_SECONDS", 0.0)
+    monkeypatch.setattr(choosing, "MIN_TRIAL_SECONDS", 0.0)
     reg = Registers(x=torch.ones(64))
     body = SEQ([CALL(F.dropout, reg("x"), 0.5, store_to=reg("h")), CALL(torch.mul, reg("h"), 2.0, store_to=reg("h")),
                 CALL(torch.Tensor.sum, reg("h"), store_to=reg("s"))])
@@ -707,9 +707,9 @@ def slow_backend(gm, example_inputs):
 
 @pytest.mark.parametrize("slower, kept", [("eager", "compiled"), ("compiled", "eager")])
 def test_auto_keeps_the_faster_form(monkeypatch, slower, kept):
-    from flowvm.fused import runtime as fused_runtime
+    from flowvm.fused import choosing
 
-    monkeypatch.setattr(fused_runtime, "MIN_TRIAL_SECONDS", 0.0)
+    monkeypatch.setattr(choosing, "MIN_TRIAL_SECONDS", 0.0)
     reg = Registers(x=torch.zeros(3))
     first = slow_unless_compiled if slower == "eager" else F.relu
     prog = REPEAT(30, SEQ([CALL(first, reg("x"), store_to=reg("x")), CALL(torch.neg, reg("x"), store_to=reg("x"))]))

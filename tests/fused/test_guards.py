@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from flowvm import CALL, Registers
-from flowvm.fused import guards, outofprocess, stateful
+from flowvm.fused import guards, guardtrace, outofprocess, stateful
 
 F = torch.nn.functional
 
@@ -490,7 +490,7 @@ def test_a_guard_read_through_a_functions_globals_is_checked_against_its_modules
     globals of the module of that name."""
     p, _ = planned(Net())
     name = "___unnamed_scope_1234_c0"
-    imports = guards._imports({name: {"__name__": __name__, "SCALE": 2.0}})
+    imports = guardtrace._imports({name: {"__name__": __name__, "SCALE": 2.0}})
     assert imports == {name: "globals of " + __name__}
     traced = {"guards": [["CONSTANT_MATCH", f"G[{name!r}]['SCALE']", guards.describe("CONSTANT_MATCH", 2.0), None]],
               "imports": imports, "classes": {}}
@@ -499,4 +499,4 @@ def test_a_guard_read_through_a_functions_globals_is_checked_against_its_modules
     monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
     assert not holds()
     with pytest.raises(guards.Untraceable, match="not a module's"):
-        guards._imports({name: {"SCALE": 2.0}})
+        guardtrace._imports({name: {"SCALE": 2.0}})

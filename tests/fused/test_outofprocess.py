@@ -15,7 +15,7 @@ import torch
 
 import flowvm
 from flowvm import CALL, REPEAT, SEQ, Registers
-from flowvm.fused import checks, outofprocess, runtime
+from flowvm.fused import checks, outofprocess, threadcompile
 from flowvm.passes.fuse_torch import fuse_torch
 
 F = torch.nn.functional
@@ -32,7 +32,7 @@ def chain(n, x=None):
 def asked(monkeypatch) -> list:
     """The compiles asked of the compile thread (its compiler imports checked first; never started here)."""
     calls: list = []
-    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: calls.append(names) or False)
+    monkeypatch.setattr(threadcompile, "_compiler_ready", lambda names: calls.append(names) or False)
     return calls
 
 

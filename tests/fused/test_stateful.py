@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from flowvm import CALL, REPEAT, SEQ, Registers
-from flowvm.fused import outofprocess, runtime, stateful
+from flowvm.fused import kernel, outofprocess, stateful, threadcompile
+from flowvm.fused.refused import Refused
 from flowvm.passes.fuse_torch import fuse_torch
 
 
@@ -32,7 +33,7 @@ def python_env() -> dict:
 def asked(monkeypatch) -> list:
     """The compiles asked of the compile thread (never started here)."""
     calls: list = []
-    monkeypatch.setattr(runtime, "_compiler_ready", lambda names: calls.append(names) or False)
+    monkeypatch.setattr(threadcompile, "_compiler_ready", lambda names: calls.append(names) or False)
     return calls
 
 
@@ -52,7 +53,11 @@ def data():
 
 
 def plan_of(calls, reg, names=("x", "y")):
-    return stateful.plan(calls, [reg(n) for n in names], tuple(reg[n] for n in names))
+    """The plan, or why the step is refused (the reason runtime().refused shows)."""
+    try:
+        return stateful.plan(calls, [reg(n) for n in names], tuple(reg[n] for n in names))
+    except Refused as why:
+        return str(why)
 
 
 @pytest.mark.timeout(600)  # two cold compiles, each allowed 240 s by the script
@@ -393,7 +398,7 @@ def test_the_state_check_reads_the_modules_now():
     assert ready() is None  # a parameter of another shape
 
 
-class EagerKernel(stateful.Kernel):
+class EagerKernel(kernel.Kernel):
     """Stands in for the packages: the step computed eagerly, its gradients doubled when ``wrong``."""
 
     wrong = False
@@ -436,7 +441,7 @@ def eager_training(net, reg, n):
 def test_a_package_that_differs_from_eager_is_dropped_for_the_threads_compile_leaving_no_trace(monkeypatch, asked,
                                                                                                wrong):
     monkeypatch.setattr(outofprocess, "Compile", Immediate)
-    monkeypatch.setattr(stateful, "Kernel", EagerKernel)
+    monkeypatch.setattr(kernel, "Kernel", EagerKernel)
     monkeypatch.setattr(EagerKernel, "wrong", wrong)
     net, reg = mlp(), data()
     ref = mlp()
@@ -461,7 +466,7 @@ def test_the_first_call_is_checked_with_the_parameters_it_ran_with(monkeypatch, 
             Pending.done = lambda: on_done(load("no directory"), None)
 
     monkeypatch.setattr(outofprocess, "Compile", Pending)
-    monkeypatch.setattr(stateful, "Kernel", EagerKernel)
+    monkeypatch.setattr(kernel, "Kernel", EagerKernel)
     monkeypatch.setattr(EagerKernel, "wrong", "gradients")
     net, reg = mlp(), data()
     fast, _ = training(net, reg, 1)
@@ -475,7 +480,7 @@ def test_the_first_call_is_checked_with_the_parameters_it_ran_with(monkeypatch, 
 
 def test_the_package_runs_only_for_the_state_it_was_built_for(monkeypatch, asked):
     monkeypatch.setattr(outofprocess, "Compile", Immediate)
-    monkeypatch.setattr(stateful, "Kernel", EagerKernel)
+    monkeypatch.setattr(kernel, "Kernel", EagerKernel)
     net, reg = mlp(), data()
     ref = mlp()
     fast, _ = training(net, reg, 5)
