@@ -16,6 +16,7 @@ A rank restarted by the agent finds the checkpoint its run saved (same run id) a
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -28,7 +29,7 @@ from ..distributed.launching import RankError, config, record_error, run_elastic
 from ..distributed.loop import DEFAULT_SYNC_EVERY, Synchronized
 from .common import check_output, finish, key_of, module_of, set_threads, write_model
 from .history import History
-from .runner import shown
+from .runner import DEFAULT_EVERY_SECONDS, shown
 from .targets import build_program, load_module
 from . import outputs
 
@@ -145,6 +146,7 @@ def _as_rank(args, body) -> int:
             return 1
         raise
     finally:
+        gc.collect()  # the run's DDP modules hold the group: gone before it ends, not at the interpreter's exit
         group.shutdown()
 
 
@@ -214,6 +216,8 @@ def _go(args, drv, module, meta: dict, location, key, resumed: bool) -> int:
         if progress is not None:
             progress.tick()
 
+    if location is not None and args.every is None and args.every_seconds is None:
+        args.every_seconds = DEFAULT_EVERY_SECONDS  # as a run on one process saves
     runner = Synchronized(drv, location, args.every, args.every_seconds, args.sync_every, key, meta,
                           stop=args.stop, on_chunk=on_chunk, resumed=resumed)
     try:

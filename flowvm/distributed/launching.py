@@ -9,6 +9,7 @@ serves); with ``node_rank`` given, a static rendezvous with that host rank (torc
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -167,6 +168,8 @@ def _rank_main(build: Callable, options: dict, location, every, every_seconds, s
         record_error(err, "group" if _collective_error(err) else "raised")
         raise
     finally:
+        drv = None
+        gc.collect()  # the run's DDP modules hold the group: gone before it ends, not at the interpreter's exit
         group.shutdown()
 
 
