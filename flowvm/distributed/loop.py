@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..base.errors import FlowError
+from ..program.analysis import static_steps
 from . import checkpoints, group
 
 __all__ = ["Synchronized", "DEFAULT_SYNC_EVERY"]
@@ -89,9 +90,23 @@ class Synchronized:
                             "(Batches(..., drop_last=True), or a sample count that the ranks divide evenly)")
         return signum, bool(due)
 
+    def _check_lengths(self) -> None:
+        """Every rank's program must take as many steps: compared before the run where the programs say how
+        many they take (their loops' counts are known), since ranks whose collectives stop pairing up fail
+        with the transport's error, not this one."""
+        total = static_steps(self.drv.program)
+        total = -1 if total is None else int(total)
+        most, least = group.agree(total, -total)
+        if most != -least:
+            raise FlowError(f"the ranks' programs take different numbers of steps ({-least} to {most}; rank "
+                            f"{group.rank()}: {total}): every rank must take the same steps: give each rank as "
+                            "many batches (a sample count the ranks divide evenly, or Batches(..., "
+                            "drop_last=True))")
+
     def run(self, max_steps: int | None = None) -> int:
         """Run; the exit status: 0, or 128 + the signal the ranks stopped on."""
         drv = self.drv
+        self._check_lengths()
         limit = None if max_steps is None else drv.steps + max_steps
         with (_Signals() if self.stop is None else _Keep(self.stop)) as stop:
             if hasattr(stop, "running"):

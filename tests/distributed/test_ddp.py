@@ -135,3 +135,11 @@ def test_the_bundled_mlp_trains_on_two_ranks(tmp_path):
     accuracy = float(done.stdout.split("accuracy ")[1].split()[0])
     assert accuracy > 0.8
     assert manifest(ckpt)["world_size"] == 2 and manifest(ckpt)["done"]
+
+
+def test_ranks_whose_programs_take_different_steps_are_refused_before_they_run():
+    # 97 samples: rank 0 serves 49 (7 batches of 8), rank 1 48 (6): the programs' loops differ
+    done = flowvm("run", PROG, "--nproc", "2", "--set", "samples=97")
+    assert done.returncode == 1
+    assert "the ranks' programs take different numbers of steps (55 to 64" in done.stderr, done.stderr[-3000:]
+    assert "drop_last=True" in done.stderr
