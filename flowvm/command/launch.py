@@ -30,7 +30,7 @@ from ..distributed.loop import DEFAULT_SYNC_EVERY, Synchronized
 from .common import check_output, finish, key_of, module_of, set_threads, write_model
 from .history import History
 from .runner import DEFAULT_EVERY_SECONDS, shown
-from .targets import build_program, load_module
+from .targets import build_program, load_module, recorded
 from . import outputs
 
 
@@ -150,11 +150,8 @@ def _as_rank(args, body) -> int:
         group.shutdown()
 
 
-def _meta(args, module, threads, location) -> dict:
-    target = args.target
-    if target.endswith(".py") or os.sep in target or "/" in target:
-        target = str(Path(target).resolve())
-    meta = {"target": target, "module": module.__name__, "sets": list(args.set),
+def _meta(args, module, threads, location, values: dict) -> dict:
+    meta = {"target": recorded(args.target), "module": module.__name__, "sets": list(args.set), **values,
             "show": list(getattr(module, "SHOW", [])), "threads": threads, "every": args.every,
             "every_seconds": args.every_seconds, "sync_every": args.sync_every}
     return outputs.record(args, meta)
@@ -171,16 +168,15 @@ def _run_rank(args) -> int:
             return _resume_rank(args)
         if not args.force and restart == 0:
             _refuse_unfinished(location, key)
-    if args.data is not None:
-        args.set.append(f"data={str(Path(args.data).resolve())!r}")
+    values = {"data": str(Path(args.data).resolve())} if args.data is not None else {}  # recorded as given
     module = load_module(args.target)
     threads = args.threads if args.threads is not None else getattr(module, "THREADS", None)
     set_threads(threads)
-    module, program = build_program(args.target, args.set)
+    module, program = build_program(args.target, args.set, values)
     drv = program.start()
     if args.threads is not None:
         drv.resume_with(settings={"torch.threads": args.threads})
-    meta = dict(_meta(args, module, threads, location), run_id=run_id)
+    meta = dict(_meta(args, module, threads, location, values), run_id=run_id)
     return _go(args, drv, module, meta, location, key, resumed=False)
 
 

@@ -137,6 +137,21 @@ def test_the_bundled_mlp_trains_on_two_ranks(tmp_path):
     assert manifest(ckpt)["world_size"] == 2 and manifest(ckpt)["done"]
 
 
+def test_the_users_data_reaches_every_rank_and_is_recorded_as_given(tmp_path):
+    from sklearn.datasets import load_iris
+
+    iris = load_iris()
+    data = tmp_path / "iris.npz"
+    import numpy as np
+    np.savez(data, x=iris.data.astype(np.float32), y=iris.target)
+    ckpt = tmp_path / "mlp"
+    done = flowvm("run", "mlp", "--nproc", "2", "--data", str(data), "--set", "epochs=2", "--checkpoint", str(ckpt))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "iris.npz" in done.stdout and done.stdout.count("MLP on") == 1
+    meta = manifest(ckpt)["meta"]
+    assert meta["data"] == str(data.resolve()) and not any(s.startswith("data=") for s in meta["sets"])
+
+
 def test_ranks_whose_programs_take_different_steps_are_refused_before_they_run():
     # 97 samples: rank 0 serves 49 (7 batches of 8), rank 1 48 (6): the programs' loops differ
     done = flowvm("run", PROG, "--nproc", "2", "--set", "samples=97")
