@@ -17,10 +17,7 @@ ROOT = Path(flowvm.__file__).resolve().parent
 # one goes when its module is next reworked; none may be added.
 KNOWN_PRIVATE_IMPORTS = {
     ("fused/compiler.py", "_barrier_index"), ("fused/jobs.py", "_barrier_index"),
-    ("fused/outofprocess.py", "_at_exit"), ("fused/runtime.py", "_compiler_ready"),
-    ("fused/runtime.py", "_direct_caller"), ("fused/runtime.py", "_direct_compile"),
-    ("fused/runtime.py", "_inductor_after_tracing"), ("fused/runtime.py", "_modules"),
-    ("fused/runtime.py", "_submit"), ("passes/fuse_torch.py", "_MARK"),
+    ("fused/outofprocess.py", "_at_exit"), ("fused/runtime.py", "_direct_caller"), ("passes/fuse_torch.py", "_MARK"),
     ("persist/state.py", "_key_bytes"), ("persist/stateshow.py", "_key_bytes"),
     ("persist/statedecoder.py", "_GLOBALS"), ("persist/statedecoder.py", "_float_value"),
     ("persist/statedecoder.py", "_step"), ("persist/stateobjects.py", "_reduce_patched_method"),
