@@ -28,29 +28,40 @@ def _by_value_globals(roots: list) -> dict[str, dict]:
     todo = list(roots)
     while todo:
         obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, type):
-            for base in obj.__mro__:
-                todo.extend(vars(base).values())
-        elif isinstance(obj, (staticmethod, classmethod)):
-            todo.append(obj.__func__)
-        elif isinstance(obj, property):
-            todo.extend(f for f in (obj.fget, obj.fset) if f is not None)
-        elif isinstance(obj, types.FunctionType):
-            g = obj.__globals__
-            name = g.get("__name__")
-            module = sys.modules.get(name) if isinstance(name, str) else None
-            if name is not None and (module is None or vars(module) is not g):
-                found.setdefault(name, {}).update(g)
-                todo.extend(v for v in g.values() if isinstance(v, (types.FunctionType, type)))
-            for cell in obj.__closure__ or ():
-                try:
-                    todo.append(cell.cell_contents)
-                except ValueError:
-                    pass
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            todo.extend(_reached(obj, found))
     return found
+
+
+def _reached(obj: Any, found: dict[str, dict]) -> list:
+    """What the code of obj reaches (a class's attributes, a function's globals and closure cells), noting in
+    ``found`` the globals of a function pickled by value."""
+    if isinstance(obj, type):
+        return [v for base in obj.__mro__ for v in vars(base).values()]
+    if isinstance(obj, (staticmethod, classmethod)):
+        return [obj.__func__]
+    if isinstance(obj, property):
+        return [f for f in (obj.fget, obj.fset) if f is not None]
+    if not isinstance(obj, types.FunctionType):
+        return []
+    return _function_reached(obj, found)
+
+
+def _function_reached(obj: Any, found: dict[str, dict]) -> list:
+    reached = []
+    g = obj.__globals__
+    name = g.get("__name__")
+    module = sys.modules.get(name) if isinstance(name, str) else None
+    if name is not None and (module is None or vars(module) is not g):
+        found.setdefault(name, {}).update(g)
+        reached += [v for v in g.values() if isinstance(v, (types.FunctionType, type))]
+    for cell in obj.__closure__ or ():
+        try:
+            reached.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return reached
 
 
 def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
@@ -151,15 +162,10 @@ def _by_value_scopes(extra: dict[str, Any], made: dict[str, Any], saved: dict[st
 
 def _guard(e: Any, state: set[int]) -> list | None:
     """One of dynamo's guards as ``[kind, source, description, extra]`` for the parent (None: checked
-    elsewhere or not at all); raises Untraceable for one the parent cannot check."""
+    elsewhere or not at all); raises Refused for one the parent cannot check."""
     kind, source = e.kind, e.source
     if kind == "TENSOR_MATCH" and not source.startswith("L["):
-        if id(e.value) not in state:
-            raise Refused(f"a tensor constant: {source} is not a parameter, buffer or input of the step "
-                              "(the package would hold its values)")
-        if not _STATE.fullmatch(source):  # a parameter reached through a global: the same one at each call
-            return ["ID_MATCH", source, describe("ID_MATCH", e.value), None]
-        return None
+        return _tensor_guard(e, state)
     if e.has_value and isinstance(e.value, os._Environ):
         raise Refused(f"it reads environment variables ({source}), which dynamo's guards do not check")
     if kind in _SKIPPED or not source:
@@ -169,14 +175,23 @@ def _guard(e: Any, state: set[int]) -> list | None:
     names = {n.id for n in ast.walk(ast.parse(source, mode="eval")) if isinstance(n, ast.Name)}
     if not names <= _NAMES:
         raise Refused(f"a guard on something not global ({kind} on {source})")
-    extra = e.keywords.get("attr", e.keywords.get("key"))
-    if kind == "DUPLICATE_INPUT":
-        extra = e.keywords["source_b"].name
+    extra = e.keywords["source_b"].name if kind == "DUPLICATE_INPUT" else e.keywords.get("attr", e.keywords.get("key"))
     if not (extra is None or type(extra) in (str, int, float, bool)):
         raise Refused(f"a guard on a key that is not a plain value ({kind} on {source})")
     if not e.has_value:
         raise Refused(f"a guard whose value dynamo could not read ({kind} on {source})")
     return [kind, source, describe(kind, e.value, extra), extra]
+
+
+def _tensor_guard(e: Any, state: set[int]) -> list | None:
+    """A tensor read through the step's globals: a parameter or buffer of its modules (the state check's;
+    one reached through a global must be the same one at each call), never a constant."""
+    if id(e.value) not in state:
+        raise Refused(f"a tensor constant: {e.source} is not a parameter, buffer or input of the step "
+                      "(the package would hold its values)")
+    if not _STATE.fullmatch(e.source):
+        return ["ID_MATCH", e.source, describe("ID_MATCH", e.value), None]
+    return None
 
 
 def _same_in_both(head: Callable, guards: list, swapped: dict[str, Any]) -> None:
