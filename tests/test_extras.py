@@ -128,6 +128,9 @@ def test_the_torch_extra_trains_the_mlp_and_its_model_loads_with_plain_torch_loa
             "net = Classifier(saved['layer_sizes_']); net.load_state_dict(saved['state_dict'])\n"
             "print(net.predict(torch.zeros(2, saved['layer_sizes_'][0])).shape)\n")
     assert run_in(venv, "python", "-c", load, cwd=tmp_path).stdout.strip() == "(2,)"
+    # convnet's default data, scikit-learn's digits, comes with the extra
+    out = run_in(venv, "flowvm", "run", "convnet", "--set", "epochs=1", "--progress", "none", cwd=tmp_path).stdout
+    assert "accuracy" in out
 
 
 def test_the_dask_extra_runs_spawned_fragments_on_a_cluster(venvs, tmp_path):
