@@ -37,10 +37,13 @@ from . import outputs
 def add_options(parser) -> None:
     """The data-parallel options of ``run`` and ``resume``."""
     g = parser.add_argument_group("data-parallel runs (torch.distributed; see docs/distributed.md)")
-    g.add_argument("--nproc", type=int, metavar="N", help="ranks on this host (processes, one per GPU with CUDA)")
+    g.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, metavar="N", help="ranks on this host (processes, one per GPU with CUDA)")
     g.add_argument("--nnodes", type=int, default=1, metavar="M", help="hosts taking part (default 1)")
     g.add_argument("--node-rank", type=int, metavar="R", help="this host's rank among them (a static rendezvous)")
-    g.add_argument("--rdzv", metavar="HOST:PORT", help="the rendezvous endpoint (several hosts)")
+    g.add_argument("--rdzv", "--rdzv-endpoint", dest="rdzv", metavar="HOST:PORT",
+                   help="the rendezvous endpoint (several hosts)")
+    g.add_argument("--rdzv-id", metavar="ID", help="the run's id, the same on every host (default: derived from "
+                                                   "--rdzv)")
     g.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="restart the ranks up to K times after one fails (from the last complete checkpoint)")
     g.add_argument("--dist-timeout", type=float, metavar="S",
@@ -106,7 +109,8 @@ def _launch(args, nproc: int) -> int:
     if nproc < 1 or args.nnodes < 1 or args.max_restarts < 0:
         raise SystemExit("flowvm: --nproc and --nnodes must be >= 1, --max-restarts >= 0")
     try:
-        cfg = config(nproc, args.nnodes, args.rdzv, args.node_rank, args.max_restarts)
+        cfg = config(nproc, args.nnodes, args.rdzv, args.node_rank, args.max_restarts,
+                     run_id=args.rdzv_id)
     except ValueError as err:
         raise SystemExit(f"flowvm: {err}") from None
     args.stop.restore()  # the agent takes SIGINT/SIGTERM over and passes them to the ranks

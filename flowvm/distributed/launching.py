@@ -78,9 +78,11 @@ def config(nproc: int, nnodes: int = 1, rdzv: str | None = None, node_rank: int 
     if node_rank is not None and nnodes > 1:
         backend, configs = "static", {"rank": node_rank}
     endpoint = rdzv or "127.0.0.1:0"
+    if run_id is None:  # the hosts of a run must agree on it: one they all derive from the endpoint they share
+        run_id = f"flowvm-{endpoint}" if rdzv else uuid.uuid4().hex
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks sharing a host's cores
-    return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id or uuid.uuid4().hex,
+    return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id,
                         rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=configs,
                         max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="spawn")
 
@@ -184,7 +186,8 @@ def _collective_error(err: BaseException) -> bool:
 def launch(build: Callable, nproc: int = 2, options: dict | None = None, *, checkpoint=None,
            every: int | None = None, every_seconds: float | None = None, sync_every: int | None = None,
            key: str | None = None, timeout: float | None = None, max_restarts: int = 0, nnodes: int = 1,
-           rdzv: str | None = None, node_rank: int | None = None, max_steps: int | None = None):
+           rdzv: str | None = None, node_rank: int | None = None, max_steps: int | None = None,
+           rdzv_id: str | None = None):
     """Run ``build(**options)``'s program data-parallel on nproc ranks (per host) under torch's elastic
     agent, and return rank 0's result (``Finished``: steps, done, value, registers, status).
 
@@ -196,7 +199,7 @@ def launch(build: Callable, nproc: int = 2, options: dict | None = None, *, chec
     group raises RankError, naming the rank that failed and its error."""
     from .loop import DEFAULT_SYNC_EVERY
 
-    cfg = config(nproc, nnodes, rdzv, node_rank, max_restarts)
+    cfg = config(nproc, nnodes, rdzv, node_rank, max_restarts, run_id=rdzv_id)
     results = run_elastic(cfg, _rank_main, build, dict(options or {}), checkpoint, every, every_seconds,
                           sync_every or DEFAULT_SYNC_EVERY, key, timeout, max_steps)
     return Unpickler(io.BytesIO(results[0])).load()

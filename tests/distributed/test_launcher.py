@@ -1,0 +1,55 @@
+"""The launcher as a user meets it: two launchers on this machine joining one run (as two hosts would), the
+wait for the other hosts, signals, torchrun's flag names, the lock on a run's folder.  Each run is the
+flowvm command in a new process, with a timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+pytestmark = pytest.mark.timeout(300)
+
+PROG = str(Path(__file__).with_name("progs.py"))
+TIMEOUT = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-P", "-m", "flowvm", *args, "--progress", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"no end within {timeout} s: {err[-2000:]}")
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("flags", [[], ["--node-rank", "{node}"]], ids=["c10d", "static"])
+def test_two_launchers_with_one_endpoint_join_one_run(flags):
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [start("run", PROG, "--set", "epochs=1", "--nnodes", "2", "--rdzv-endpoint", endpoint,
+                   "--nproc-per-node", "1", *[f.format(node=node) for f in flags]) for node in range(2)]
+    results = [finish(p) for p in procs]
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    assert sum(out.count("weights ") for _, out, _ in results) == 1  # one group of two ranks: rank 0 reports
