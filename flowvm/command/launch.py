@@ -116,6 +116,9 @@ def _launch(args, nproc: int) -> int:
     args.stop.restore()  # the agent takes SIGINT/SIGTERM over and passes them to the ranks
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    if args.nnodes > 1:
+        print(f"flowvm: waiting for {args.nnodes} hosts at {args.rdzv} (Ctrl-C to give up)", file=sys.stderr,
+              flush=True)
     try:
         run_elastic(cfg, sys.executable, "-m", "flowvm", *args.argv)
     except SignalException as err:  # the launcher was signalled: the agent passed it on to the ranks, which

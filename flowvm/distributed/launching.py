@@ -9,10 +9,12 @@ serves); with ``node_rank`` given, a static rendezvous with that host rank (torc
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import json
 import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -134,14 +136,62 @@ def rank_failure(failed) -> RankError:
 
 def run_elastic(cfg, entrypoint: Callable | str, *args: Any) -> dict:
     """Run entrypoint(*args) on every rank under the elastic agent; its results by rank.  A failed group
-    (after its restarts) is a RankError naming the rank that stopped it."""
+    (after its restarts) is a RankError naming the rank that stopped it.  SIGINT or SIGTERM before the
+    ranks start (while the hosts meet) ends the process at once with status 128 + the signal."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     try:
-        return elastic_launch(cfg, entrypoint)(*args)
+        with _signals_end_the_wait():
+            return elastic_launch(cfg, entrypoint)(*args)
     except ChildFailedError as failed:
         raise rank_failure(failed) from None
+
+
+@contextlib.contextmanager
+def _signals_end_the_wait():
+    """Until the agent starts the ranks (and takes SIGINT/SIGTERM over to pass them on), a signal ends this
+    process.  The rendezvous blocks in torch's C++ store, where no Python handler runs: the signal's number
+    reaches a thread of ours through the interpreter's wakeup fd instead."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):  # only marks the signal as handled in Python: the thread acts on it
+        return None
+
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    old = {sig: signal.signal(sig, handler) for sig in sigs}
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch():
+        while True:
+            data = os.read(read, 1)
+            if not data or data[0] == 0:
+                return
+            if data[0] in sigs and signal.getsignal(data[0]) is handler:  # the agent has not taken it over
+                print(f"flowvm: stopped by {signal.Signals(data[0]).name} while waiting for the hosts",
+                      file=sys.stderr, flush=True)
+                os._exit(128 + data[0])
+
+    thread = threading.Thread(target=watch, name="flowvm-signals", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(old_fd)
+        for sig, previous in old.items():
+            if signal.getsignal(sig) is handler:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        os.write(write, b"\0")
+        thread.join(5)
+        os.close(write)
+        os.close(read)
 
 
 # ------------------------------------------------------------------ from Python

@@ -53,3 +53,18 @@ def test_two_launchers_with_one_endpoint_join_one_run(flags):
     for code, _, err in results:
         assert code == 0, err[-3000:]
     assert sum(out.count("weights ") for _, out, _ in results) == 1  # one group of two ranks: rank 0 reports
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_launcher_waiting_for_the_other_hosts_says_so_and_ends_on_a_signal(sig):
+    endpoint = f"127.0.0.1:{free_port()}"
+    proc = start("run", PROG, "--nnodes", "2", "--rdzv", endpoint, "--nproc", "1")
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith(f"flowvm: waiting for 2 hosts at {endpoint}"), line
+        time.sleep(2)  # in the rendezvous
+        proc.send_signal(sig)
+        code, _, err = finish(proc, timeout=20)
+    finally:
+        proc.kill()
+    assert code == 128 + sig, err[-3000:]
