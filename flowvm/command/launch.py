@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from ..base.errors import CheckpointError
+from ..persist.lock import holding
 from ..distributed import checkpoints, group
 from ..distributed.launching import RankError, config, record_error, run_elastic
 from ..distributed.loop import DEFAULT_SYNC_EVERY, Synchronized
@@ -69,7 +70,7 @@ def cmd_run(args) -> int:
     if not group.launched():
         if location is not None and not args.force:
             _refuse_unfinished(location, key_of(args))
-        return _launch(args, args.nproc or 1)
+        return _launch(args, args.nproc or 1, location)
     return _as_rank(args, _run_rank)
 
 
@@ -81,7 +82,7 @@ def cmd_resume(args) -> int:
         raise SystemExit(f"flowvm: {location} holds no distributed checkpoint (no {checkpoints.MANIFEST})")
     if not group.launched():
         manifest = checkpoints.read_manifest(location, key_of(args))
-        return _launch(args, args.nproc or manifest["world_size"])
+        return _launch(args, args.nproc or manifest["world_size"], location)
     return _as_rank(args, _resume_rank)
 
 
@@ -105,7 +106,19 @@ def _refuse_unfinished(location, key) -> None:
                              f"continue it with `flowvm resume {location}`, or pass --force to start over")
 
 
-def _launch(args, nproc: int) -> int:
+def _launch(args, nproc: int, location) -> int:
+    """Start the agent (which starts the ranks); while they run, the launcher holds the checkpoint's lock
+    (flowvm.persist.lock: on several hosts, the host of rank 0 does), so that a second run saving there is
+    refused (status 2, naming the holder)."""
+    if location is None or (args.nnodes > 1 and args.node_rank != 0):
+        return _launch_ranks(args, nproc)
+    if isinstance(location, Path):
+        location.parent.mkdir(parents=True, exist_ok=True)
+    with holding(location):
+        return _launch_ranks(args, nproc)
+
+
+def _launch_ranks(args, nproc: int) -> int:
     if nproc < 1 or args.nnodes < 1 or args.max_restarts < 0:
         raise SystemExit("flowvm: --nproc and --nnodes must be >= 1, --max-restarts >= 0")
     try:

@@ -68,3 +68,17 @@ def test_a_launcher_waiting_for_the_other_hosts_says_so_and_ends_on_a_signal(sig
     finally:
         proc.kill()
     assert code == 128 + sig, err[-3000:]
+
+
+def test_a_second_launch_on_a_checkpoint_in_use_is_refused_naming_the_holder(tmp_path):
+    from flowvm.persist.lock import holding
+
+    ckpt = tmp_path / "run"
+    code, _, err = finish(start("run", PROG, "--nproc", "2", "--checkpoint", str(ckpt), "--max-steps", "6"))
+    assert code == 0, err[-3000:]
+    with holding(ckpt):  # as a run resuming it would
+        code, out, err = finish(start("resume", str(ckpt)))
+        assert code == 2, err[-3000:]
+        assert f"process {os.getpid()}" in err and "in use" in err
+    assert "weights" not in out
+    assert not (tmp_path / ".run.lock").exists()
