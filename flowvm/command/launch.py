@@ -20,6 +20,7 @@ import gc
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +34,9 @@ from .history import History
 from .runner import DEFAULT_EVERY_SECONDS, shown
 from .targets import build_program, load_module, recorded
 from . import outputs
+
+
+STOPPED_ENV = "FLOWVM_STOPPED_DIR"
 
 
 def add_options(parser) -> None:
@@ -127,6 +131,17 @@ def _launch_ranks(args, nproc: int) -> int:
     except ValueError as err:
         raise SystemExit(f"flowvm: {err}") from None
     args.stop.restore()  # the agent takes SIGINT/SIGTERM over and passes them to the ranks
+    with tempfile.TemporaryDirectory(prefix="flowvm-launch-") as box:
+        os.environ[STOPPED_ENV] = box  # the ranks' environment: where they say they stopped on purpose
+        try:
+            code = _run_agent(args, cfg)
+        finally:
+            del os.environ[STOPPED_ENV]
+        stopped = [int(p.read_text()) for p in Path(box).glob("stopped-*")]
+    return max(stopped) if code == 0 and stopped else code
+
+
+def _run_agent(args, cfg) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     if args.nnodes > 1:
@@ -154,7 +169,7 @@ def _launch_ranks(args, nproc: int) -> int:
 def _as_rank(args, body) -> int:
     group.init(args.dist_timeout)
     try:
-        return body(args)
+        return _stopped_on_purpose(body(args))
     except SystemExit as err:
         if group.rank() != 0:  # the same refusal on every rank: said once
             raise SystemExit(2 if isinstance(err.code, str) else err.code) from None
@@ -168,6 +183,17 @@ def _as_rank(args, body) -> int:
     finally:
         gc.collect()  # the run's DDP modules hold the group: gone before it ends, not at the interpreter's exit
         group.shutdown()
+
+
+def _stopped_on_purpose(status: int) -> int:
+    """A rank that stopped on a signal, saved (the ranks agreed): under flowvm's launcher it tells the
+    launcher so and ends with 0, so that the agent does not take the stop for a failure to restart after
+    (``--max-restarts``); under another launcher (torchrun) it ends with its status."""
+    box = os.environ.get(STOPPED_ENV)
+    if not status or not box or not os.path.isdir(box):
+        return status
+    Path(box, f"stopped-{group.local_rank()}").write_text(str(status))
+    return 0
 
 
 def _meta(args, module, threads, location, values: dict) -> dict:

@@ -4,6 +4,7 @@ flowvm command in a new process, with a timeout."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -82,3 +83,13 @@ def test_a_second_launch_on_a_checkpoint_in_use_is_refused_naming_the_holder(tmp
         assert f"process {os.getpid()}" in err and "in use" in err
     assert "weights" not in out
     assert not (tmp_path / ".run.lock").exists()
+
+
+def test_a_rank_stopped_by_sigterm_ends_the_run_even_with_restarts_left(tmp_path):
+    ckpt = tmp_path / "run"
+    code, _, err = finish(start("run", PROG, "--nproc", "2", "--checkpoint", str(ckpt), "--sync-every", "4",
+                                "--max-restarts", "2", "--set", "fault='term'", "--set", "at=7"))
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert err.count("stopped by SIGTERM") == 1, err[-3000:]
+    saved = json.loads((ckpt / "manifest.json").read_text())
+    assert not saved["done"] and saved["steps"] < 36  # not restarted and trained on
