@@ -107,19 +107,12 @@ def record_error(err: BaseException, kind: str) -> bool:
     return True
 
 
-def rank_failure(failed) -> RankError:
-    """The error of the rank that stopped a failed group (torch's ChildFailedError): a rank's own error
-    first, then a collective that failed (a timeout), then the first to fail."""
-    def order(item):
-        rank, failure = item
-        info = (failure.error_file_data or {}).get("message", {})
-        extra = info.get("extraInfo", {}) if isinstance(info, dict) else {}
-        kind = {"raised": 0, "group": 1}.get(extra.get(KIND), 2)
-        return kind, failure.timestamp, rank
-
-    rank, failure = min(failed.failures.items(), key=order)
+def _extra(failure) -> dict:
     info = (failure.error_file_data or {}).get("message", {})
-    extra = info.get("extraInfo", {}) if isinstance(info, dict) else {}
+    return info.get("extraInfo", {}) if isinstance(info, dict) else {}
+
+
+def _message(failure) -> str:
     message = failure.message or ""
     if isinstance(message, dict):  # torch reads our error file's message as the whole record
         message = str(message.get("message", ""))
@@ -128,9 +121,50 @@ def rank_failure(failed) -> RankError:
 
         name = signal.Signals(-failure.exitcode).name
         message = f"killed by {name}" if not message or message.startswith("Signal") else message
-    err = RankError(rank, failure.exitcode, message or f"exit code {failure.exitcode}",
-                    extra.get("py_callstack", ""))
-    err.exitcodes = {r: f.exitcode for r, f in failed.failures.items()}
+    return message or f"exit code {failure.exitcode}"
+
+
+def _stopped_by_agent(failure) -> bool:
+    """Whether a rank ended on the SIGTERM the agent stops a group's ranks with (and wrote no error)."""
+    import signal
+
+    return not _extra(failure).get(KIND) and failure.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
+
+
+def culprit(failures: dict) -> tuple[int, str]:
+    """The rank that stopped a failed group, and its kind: the first whose own error stopped it ("raised"),
+    else the first killed by a signal ("killed"), else one the agent stopped while the others' collectives
+    timed out waiting for it ("hung"), else the first whose collective failed ("group")."""
+    def first(ranks):
+        return min(ranks, key=lambda r: (failures[r].timestamp, r))
+
+    kinds = {r: _extra(f).get(KIND) for r, f in failures.items()}
+    raised = [r for r, kind in kinds.items() if kind == "raised"]
+    if raised:
+        return first(raised), "raised"
+    killed = [r for r, f in failures.items() if f.exitcode < 0 and not _stopped_by_agent(f)]
+    if killed:
+        return first(killed), "killed"
+    hung = [r for r, f in failures.items() if _stopped_by_agent(f)]
+    if hung and any(kind == "group" for kind in kinds.values()):
+        return first(hung), "hung"
+    return first(failures), "group"
+
+
+def rank_failure(failed) -> RankError:
+    """The error of the rank that stopped a failed group (torch's ChildFailedError, see ``culprit``);
+    ranks that failed only because of it are not reported."""
+    failures = failed.failures
+    rank, kind = culprit(failures)
+    failure = failures[rank]
+    message, traceback = _message(failure), _extra(failure).get("py_callstack", "")
+    if kind == "hung":
+        waited = min((r for r in failures if _extra(failures[r]).get(KIND) == "group"),
+                     key=lambda r: (failures[r].timestamp, r))
+        message = (f"hung: it never joined a collective, and rank {waited}'s failed waiting for it "
+                   f"({_message(failures[waited]).splitlines()[0]}); the agent stopped it")
+    err = RankError(rank, failure.exitcode, message, traceback)
+    err.exitcodes = {r: f.exitcode for r, f in failures.items()}
     return err
 
 

@@ -20,7 +20,8 @@ class Linear:
     """The model, its optimizer and its batches; ``log`` (a folder): each rank appends the sample ids of
     every batch it trains on to ``rank-R.txt`` there."""
 
-    def __init__(self, seed: int, samples: int, batch_size: int, fault: str | None, at: int, log: str | None):
+    def __init__(self, seed: int, samples: int, batch_size: int, fault: str | None, at: int, log: str | None,
+                 who: int = 1):
         torch.manual_seed(seed)
         rng = np.random.default_rng(seed)
         x = rng.standard_normal((samples, 4)).astype(np.float32)
@@ -30,7 +31,7 @@ class Linear:
         self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
         self.updates = 0
-        self.fault, self.at, self.log = fault, at, log
+        self.fault, self.at, self.log, self.who = fault, at, log, who
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -58,8 +59,8 @@ class Linear:
         return loss.item()
 
     def maybe_fail(self):
-        """The fault asked for, on rank 1 at update `at`, on the group's first start."""
-        if self.fault is None or flowvm.rank() != 1 or self.updates != self.at \
+        """The fault asked for, on rank `who` at update `at`, on the group's first start."""
+        if self.fault is None or flowvm.rank() != self.who or self.updates != self.at \
                 or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return None
         if self.fault == "kill":
@@ -78,8 +79,8 @@ class Linear:
 
 
 def build(epochs: int = 3, seed: int = 0, samples: int = 96, batch_size: int = 8, fault=None, at: int = 5,
-          log=None):
-    t = Linear(seed, samples, batch_size, fault, at, log)
+          log=None, who: int = 1):
+    t = Linear(seed, samples, batch_size, fault, at, log, who)
     reg = Registers(loss=None)
     return SEQ([
         REPEAT(epochs, REPEAT(len(t.batches), SEQ([

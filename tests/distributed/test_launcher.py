@@ -93,3 +93,10 @@ def test_a_rank_stopped_by_sigterm_ends_the_run_even_with_restarts_left(tmp_path
     assert err.count("stopped by SIGTERM") == 1, err[-3000:]
     saved = json.loads((ckpt / "manifest.json").read_text())
     assert not saved["done"] and saved["steps"] < 36  # not restarted and trained on
+
+
+def test_a_killed_rank_0_is_blamed_not_the_rank_that_lost_it():
+    code, _, err = finish(start("run", PROG, "--nproc", "2", "--set", "fault='kill'", "--set", "who=0"))
+    assert code == 1
+    assert "flowvm: rank 0 failed (exit code -9): killed by SIGKILL" in err, err[-3000:]
+    assert "rank 1 failed" not in err
