@@ -9,8 +9,9 @@ A checkpoint location (a local folder or an fsspec URL prefix such as ``s3://buc
         rank-00000.json ...       each rank's own state: its random generators and the position of each
                                   Batches it serves (plain data, JSON)
 
-A save writes a new folder, then the manifest naming it, then removes the folder the previous manifest
-named: a kill at any moment leaves a manifest naming a complete folder.  A rank's part is plain data, read
+A save writes a new folder, then the manifest naming it, then removes every other step folder (the previous
+manifest's, and any a kill left half-written): a kill at any moment leaves a manifest naming a complete
+folder.  A rank's part is plain data, read
 without unpickling anything; the manifest holds each part's SHA-256 (signed with the key, when one is given).
 """
 
@@ -271,21 +272,32 @@ def save(drv, location: Path | str, key: str | bytes | None = None, meta: dict |
 
 
 def _commit(location, folder: str, drv, digests: list[str], key, meta) -> dict:
-    previous = None
-    if is_checkpoint(location):
-        try:
-            previous = read_manifest(location, key).get("folder")
-        except CheckpointError:
-            previous = None
     body = {"format": FORMAT, "version": VERSION, "folder": folder, "steps": drv.steps, "done": drv.done,
             "world_size": len(digests), "parts": digests, "meta": meta or {}}
     signature = _signature(body, key)
     text = json.dumps(dict(body, signature=signature) if signature else body, indent=1).encode()
     with storage.open_write(join(location, MANIFEST)) as f:
         f.write(text)
-    if previous and previous != folder:
-        _remove(join(location, previous))
+    for name in _step_folders(location):  # the previous save's, and any a kill left half-written
+        if name != folder:
+            _remove(join(location, name))
     return body
+
+
+def _step_folders(location) -> list[str]:
+    """The names of the step folders at location (best effort: none when it cannot be listed)."""
+    try:
+        if isinstance(join(location, MANIFEST), Path):
+            names = [p.name for p in Path(join(location, MANIFEST)).parent.iterdir() if p.is_dir()]
+        else:
+            from ..persist.remote import filesystem
+
+            fs, path = _fs_path(str(location), filesystem)
+            fs.invalidate_cache(path)
+            names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
+    except Exception:  # noqa: BLE001 - a folder left behind costs space, not correctness
+        return []
+    return [name for name in names if name.startswith("step-")]
 
 
 def _remove(where: Path | str) -> None:

@@ -73,6 +73,8 @@ def test_a_save_that_fails_before_its_manifest_keeps_the_previous_checkpoint(tmp
     monkeypatch.undo()
     assert len([p for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")]) == 2  # one unnamed
     assert checkpoints.load(tmp_path / "run").steps == 5
+    saved = checkpoints.save(drv, tmp_path / "run")  # the next complete save removes the half-written one
+    assert [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")] == [saved["folder"]]
 
 
 def test_a_changed_part_or_a_wrong_key_is_refused(tmp_path):
@@ -100,7 +102,13 @@ def test_checkpoints_on_s3(s3_bucket):
     location = f"s3://{s3_bucket}/runs/a"
     checkpoints.save(drv, location)
     drv.run(max_steps=3)
-    checkpoints.save(drv, location)
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.pipe_file(f"{s3_bucket}/runs/a/step-00000008-deadbeef/rank-00000.json", b"{}")  # a kill mid-save
+    saved = checkpoints.save(drv, location)
+    fs.invalidate_cache()
+    assert [p.rsplit("/", 1)[-1] for p in fs.ls(f"{s3_bucket}/runs/a") if "step-" in p] == [saved["folder"]]
     assert checkpoints.is_checkpoint(location) and not checkpoints.is_checkpoint(f"s3://{s3_bucket}/runs/b")
     again = checkpoints.load(location)
     assert again.steps == 10
