@@ -40,11 +40,11 @@ def rank() -> int:
 
 
 def world_size() -> int:
-    """The number of ranks of the default process group; 0 outside a distributed run."""
+    """The number of ranks of the default process group; 1 outside a distributed run (a single process)."""
     dist = _dist()
     if dist is not None:
         return dist.get_world_size()
-    return int(os.environ["WORLD_SIZE"]) if launched() else 0
+    return int(os.environ["WORLD_SIZE"]) if launched() else 1
 
 
 def local_rank() -> int:
