@@ -150,8 +150,12 @@ def _run_agent(args, cfg) -> int:
     try:
         run_elastic(cfg, sys.executable, "-m", "flowvm", *args.argv)
     except SignalException as err:  # the launcher was signalled: the agent passed it on to the ranks, which
-        # agreed to stop, saved and said so (rank 0), in the time the agent gives them
-        return 128 + int(err.sigval)
+        # agreed to stop, saved and said so (rank 0), in the time the agent gives them.  A second signal
+        # during that shutdown (Ctrl-C, then a SIGTERM) is raised over the first: the first is the status
+        first = err
+        while isinstance(first.__context__, SignalException):
+            first = first.__context__
+        return 128 + int(first.sigval)
     except RankError as err:
         if err.stopped() is not None:  # the ranks agreed to stop on a signal, saved, and rank 0 said so
             return 128 + err.stopped()

@@ -32,7 +32,8 @@ def free_port() -> int:
 def start(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-P", "-m", "flowvm", *args, "--progress", "none"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # its own process group, as a terminal's command
 
 
 def finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> tuple[int, str, str]:
@@ -100,3 +101,20 @@ def test_a_killed_rank_0_is_blamed_not_the_rank_that_lost_it():
     assert code == 1
     assert "flowvm: rank 0 failed (exit code -9): killed by SIGKILL" in err, err[-3000:]
     assert "rank 1 failed" not in err
+
+
+def test_ctrl_c_then_sigterm_is_reported_as_the_first_signal_once(tmp_path):
+    ckpt = tmp_path / "run"
+    proc = start("run", PROG, "--nproc", "2", "--checkpoint", str(ckpt), "--every", "12", "--set", "epochs=100000")
+    try:
+        deadline = time.monotonic() + 60
+        while not (ckpt / "manifest.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the launcher and its ranks
+        time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)  # and the SIGTERM that may follow it (the agent's, a supervisor's)
+        code, _, err = finish(proc, timeout=60)
+    finally:
+        proc.kill()
+    assert code == 128 + signal.SIGINT, err[-3000:]
+    assert err.count("stopped by SIGINT") == 1 and "stopped by SIGTERM" not in err, err[-3000:]
