@@ -294,7 +294,8 @@ class _Progress:
         self.last = self.start
         if not self.quiet:
             where = f", saving to {location}" if location is not None else ""
-            print(f"flowvm: running from step {drv.steps} on {max(group.world_size(), 1)} ranks{where}",
+            size = group.world_size()
+            print(f"flowvm: running from step {drv.steps} on {size} rank{'s' if size != 1 else ''}{where}",
                   file=sys.stderr, flush=True)
 
     def tick(self, force: bool = False) -> None:

@@ -29,9 +29,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(*args: str) -> subprocess.Popen:
+def start(*args: str, progress: str = "none") -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-P", "-m", "flowvm", *args, "--progress", "none"],
+    return subprocess.Popen([sys.executable, "-P", "-m", "flowvm", *args, "--progress", progress],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # its own process group, as a terminal's command
 
@@ -118,3 +118,9 @@ def test_ctrl_c_then_sigterm_is_reported_as_the_first_signal_once(tmp_path):
         proc.kill()
     assert code == 128 + signal.SIGINT, err[-3000:]
     assert err.count("stopped by SIGINT") == 1 and "stopped by SIGTERM" not in err, err[-3000:]
+
+
+def test_one_rank_is_said_in_the_singular():
+    code, _, err = finish(start("run", PROG, "--nproc", "1", "--set", "epochs=1", progress="lines"))
+    assert code == 0, err[-3000:]
+    assert "flowvm: running from step 0 on 1 rank\n" in err, err[-3000:]
