@@ -284,6 +284,28 @@ def launch(build: Callable, nproc: int = 2, options: dict | None = None, *, chec
     from .loop import DEFAULT_SYNC_EVERY
 
     cfg = config(nproc, nnodes, rdzv, node_rank, max_restarts, run_id=rdzv_id)
-    results = run_elastic(cfg, _rank_main, build, dict(options or {}), checkpoint, every, every_seconds,
-                          sync_every or DEFAULT_SYNC_EVERY, key, timeout, max_steps)
+    with _quiet_torch():  # the RankError raised names the rank and carries its traceback: said once
+        results = run_elastic(cfg, _rank_main, build, dict(options or {}), checkpoint, every, every_seconds,
+                              sync_every or DEFAULT_SYNC_EVERY, key, timeout, max_steps)
     return Unpickler(io.BytesIO(results[0])).load()
+
+
+@contextlib.contextmanager
+def _quiet_torch():
+    """torch's elastic agent and process spawner log only critical records meanwhile (they would print a
+    failed rank's traceback, and the warnings of its shutdown, on top of the error ``launch`` raises)."""
+    import logging
+
+    import torch.distributed.launcher.api  # noqa: F401  (the agent's loggers made, at their levels)
+
+    names = [name for name in list(logging.root.manager.loggerDict)
+             if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"))]
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

@@ -124,3 +124,17 @@ def test_one_rank_is_said_in_the_singular():
     code, _, err = finish(start("run", PROG, "--nproc", "1", "--set", "epochs=1", progress="lines"))
     assert code == 0, err[-3000:]
     assert "flowvm: running from step 0 on 1 rank\n" in err, err[-3000:]
+
+
+def test_launch_from_python_raises_one_rank_error_without_torchs_traceback(tmp_path):
+    script = tmp_path / "main.py"
+    script.write_text("import progs\nfrom flowvm.distributed import launch, RankError\n"
+                      "if __name__ == '__main__':\n"
+                      "    try:\n"
+                      "        launch(progs.build, nproc=2, options={'fault': 'raise', 'epochs': 1})\n"
+                      "    except RankError as err:\n"
+                      "        print('raised', err)\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(PROG).parent))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert "raised rank 1 failed (exit code 1): ValueError: boom at update 5" in done.stdout, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
