@@ -42,7 +42,7 @@ class Choosing:
             return
         me, mc = statistics.median(eager), statistics.median(compiled)
         self.measured = (mc, me)
-        timing = f"compiled {_us(mc)} vs eager {_us(me)} per execution"
+        timing = f"compiled {microseconds(mc)} vs eager {microseconds(me)} per execution"
         self.trials_done += 1
         self.decision = f"{'compiled' if mc < me * (1 - self.settings.margin) else 'eager'}, measured {timing}"
         self._chosen = self._compiled_call if mc < me * (1 - self.settings.margin) else self.eager
@@ -61,7 +61,7 @@ class Choosing:
         executions as that run timed."""
         compiled = known["compiled"]
         self.measured = (known["compiled_s"], known["eager_s"])
-        timing = f"compiled {_us(known['compiled_s'])} vs eager {_us(known['eager_s'])} per execution"
+        timing = f"compiled {microseconds(known['compiled_s'])} vs eager {microseconds(known['eager_s'])} per execution"
         self.decision = f"{'compiled' if compiled else 'eager'}, measured {timing} (by an earlier run)"
         self._chosen = self._compiled_call if compiled else self.eager
         self.state = "compiled" if compiled else "eager"
@@ -113,6 +113,6 @@ class Choosing:
         return self.decision
 
 
-def _us(seconds: float) -> str:
+def microseconds(seconds: float) -> str:
     us = seconds * 1e6
     return f"{us:.1f} µs" if us < 10000 else f"{seconds * 1e3:.1f} ms"

@@ -83,7 +83,7 @@ def _work() -> None:
                 _busy -= 1
 
 
-def _submit(job: Callable[[], None], only_if_free: bool = False) -> bool:
+def submit_compile(job: Callable[[], None], only_if_free: bool = False) -> bool:
     """Run job on the compile thread (a daemon: a short run never waits for it at exit, see ``stop``);
     with only_if_free, only when no other job is queued or running.  Whether it was submitted (not when the
     program is ending, nor when the thread cannot start: the caller tries again later)."""
@@ -137,7 +137,7 @@ def _at_exit(fn: Callable[[], None]) -> None:
 _at_exit(stop)
 
 
-def _modules(backend: Any) -> tuple[str, ...]:
+def backend_modules(backend: Any) -> tuple[str, ...]:
     """The compiler modules a compile for this backend imports (seconds, the first time)."""
     return ("torch._dynamo", "torch._inductor.compile_fx") if backend == "inductor" else ("torch._dynamo",)
 
@@ -154,7 +154,7 @@ def compile_estimate(backend: Any) -> float:
     return FIRST_COMPILE_SECONDS.get(backend, 1.0) if isinstance(backend, str) else 1.0
 
 
-def _compiler_ready(names: tuple[str, ...]) -> bool:
+def compiler_ready(names: tuple[str, ...]) -> bool:
     """Whether these modules are imported; if not, the compile thread imports them (queued once)."""
     if all(n in _imported for n in names):
         return True
@@ -174,17 +174,17 @@ def _compiler_ready(names: tuple[str, ...]) -> bool:
                 _imported.add(n)
 
         _import_queued.update(todo)
-        _submit(job)
+        submit_compile(job)
     return False
 
 
-def _inductor_after_tracing(s, traced: threading.Event) -> Callable:
+def inductor_after_tracing(s, traced: threading.Event) -> Callable:
     """Inductor as torch.compile runs it (``mode``, ``options``, ``dynamic``), setting ``traced``
     when AOTAutograd hands its first graph (on fake tensors) to inductor's inner compiler."""
     return internals.inductor_after_tracing(s.mode, dict(s.options), s.dynamic, traced)
 
 
-def _direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
+def direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
     """For a head that only calls torch's own functions on plain tensors (no autograd, no modules, nothing
     mutated or aliased), inductor's compiled graph called directly, with no dynamo guards: (layouts, fn,
     bare callable or None, reads).
@@ -233,7 +233,7 @@ def _direct_caller(rt: Runtime, kernel: Callable, first: bool) -> Callable:
     """The compiled form with a direct graph: ``Runtime._compiled_call`` specialised to it, generated
     with the layout check unrolled (a small step's time is mostly such overhead).  Installed as the
     runtime's ``_compiled_call``; inputs failing the check take the general method.  With first,
-    the graph's wrapper runs once and then its bare callable replaces it (see _direct_compile)."""
+    the graph's wrapper runs once and then its bare callable replaces it (see direct_compile)."""
     import torch
 
     layouts, reads = rt._direct[0], rt._direct[3]

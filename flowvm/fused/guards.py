@@ -42,7 +42,7 @@ from typing import Any, Callable
 from .refused import Refused
 
 # what a kind checks before each call, given the source's value ``v`` and what the parent recorded ``o``
-_CHECKS = {
+GUARD_CHECKS = {
     "CONSTANT_MATCH": "type({v}) is {o}[0] and {v} == {o}[1]",
     "EQUALS_MATCH": "type({v}) is {o}[0] and {v} == {o}[1]",
     "TYPE_MATCH": "type({v}) is {o}",
@@ -68,12 +68,12 @@ _CHECKS = {
     "NOT_NONE_MATCH": "{v} is not None",
     "DUPLICATE_INPUT": "{v} is {o}",  # the same object as at arrival, and so as the other source
 }
-_SKIPPED = {"TENSOR_MATCH"}  # the state check's
+SKIPPED_GUARDS = {"TENSOR_MATCH"}  # the state check's
 _VALUES = ("CONSTANT_MATCH", "EQUALS_MATCH", "BOOL_MATCH", "NONE_MATCH")
 _CONTAINS = ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS", "SET_NOT_CONTAINS")
 # what a source may name: the step's globals and a few functions (a class attribute's source is
 # ``dict(type(G['x'].config).__dict__)['shift']``)
-_NAMES = {"G", "type", "dict", "len", "getattr", "___odict_getitem"}
+GUARD_NAMES = {"G", "type", "dict", "len", "getattr", "___odict_getitem"}
 
 
 def _name(obj: Any) -> str:
@@ -158,7 +158,7 @@ def describe(kind: str, value: Any, extra: Any = None) -> str:
 
 
 def _recorded(kind: str, value: Any, extra: Any) -> Any:
-    """What the parent's check compares the source's value with before each call (see _CHECKS)."""
+    """What the parent's check compares the source's value with before each call (see GUARD_CHECKS)."""
     if kind in _VALUES:
         return (type(value), copy.deepcopy(value))  # a set of the user's may change in place
     if kind == "TYPE_MATCH":
@@ -178,18 +178,12 @@ def _recorded(kind: str, value: Any, extra: Any) -> Any:
     return value
 
 
-def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
-    """In the child: dynamo's guards of ``head(*inputs)`` (flowvm/fused/guardtrace.py; raises Refused)."""
-    from .guardtrace import trace as traced
 
-    return traced(head, modules, inputs, grad)
-
-
-_GLOBALS_OF = "globals of "  # an import that is a module's globals dict (torch >= 2.14 names them so)
+GLOBALS_OF = "globals of "  # an import that is a module's globals dict (torch >= 2.14 names them so)
 Untraceable = Refused  # dynamo cannot make the step one graph of tensor operations with no other effect
 
 
-def _user_classes(modules: list, named: list[type]) -> list[type]:
+def user_classes(modules: list, named: list[type]) -> list[type]:
     """The classes of the user's (and their bases) among the modules' and the types the guards name (a
     helper object's class): neither torch's, numpy's nor Python's own."""
     found: dict[int, type] = {}
@@ -201,7 +195,7 @@ def _user_classes(modules: list, named: list[type]) -> list[type]:
     return list(found.values())
 
 
-def _classes(classes: list[type]) -> dict[str, str]:
+def class_names(classes: list[type]) -> dict[str, str]:
     """The code of these classes, method by method (a file edited since the program imported it would give
     the child other code than the program runs)."""
     return {f"{_name(cls)}.{name}": describe("FUNCTION_MATCH", fn) for cls in classes
@@ -215,8 +209,8 @@ def _scope(head: Callable, imports: dict[str, str]) -> dict:
     for name, module in imports.items():
         if module == "builtins.__dict__":
             scope[name] = vars(builtins)
-        elif module.startswith(_GLOBALS_OF) and module[len(_GLOBALS_OF):] in sys.modules:
-            scope[name] = vars(sys.modules[module[len(_GLOBALS_OF):]])
+        elif module.startswith(GLOBALS_OF) and module[len(GLOBALS_OF):] in sys.modules:
+            scope[name] = vars(sys.modules[module[len(GLOBALS_OF):]])
         elif module in sys.modules:
             scope[name] = sys.modules[module]
         else:
@@ -226,7 +220,7 @@ def _scope(head: Callable, imports: dict[str, str]) -> dict:
 
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules")
 _SUBMODULE = re.compile(r"G\['f\d+'\](?:\._modules\['[^']*'\])*")  # a step's module, or a submodule of it
-_STATE = re.compile(_SUBMODULE.pattern + r"\._(?:parameters|buffers)\['[^']*'\]")  # its state: the state check's
+STATE_GUARD = re.compile(_SUBMODULE.pattern + r"\._(?:parameters|buffers)\['[^']*'\]")  # its state: the state check's
 _INHERITED = re.compile(r"dict\(type\((.+)\)\.__mro__\[(\d+)\]\.__dict__\)\[('[^']*'|\"[^\"]*\")\]")
 _BARE = re.compile(r"G\[('[^']*'|\"[^\"]*\")\]")
 
@@ -277,14 +271,14 @@ def check(head: Callable, modules: list, traced: dict) -> Callable[[], bool]:
         if _covered(kind, source, value, extra):
             continue
         ns[f"o{k}"] = _recorded(kind, value, extra)
-        parts.append("(" + _CHECKS[kind].format(v=f"({source})", o=f"o{k}") + ")")
+        parts.append("(" + GUARD_CHECKS[kind].format(v=f"({source})", o=f"o{k}") + ")")
         inherited = _INHERITED.fullmatch(source)
         if inherited:  # a class attribute found in a base class: not shadowed since in a class before it
             obj, depth, key = inherited.groups()
             ns[f"a{k}"] = ast.literal_eval(key)
             parts.append(f"not any(a{k} in c.__dict__ for c in type({obj}).__mro__[:{int(depth)}])")
-    classes = _user_classes(modules, named)
-    mine = _classes(classes)
+    classes = user_classes(modules, named)
+    mine = class_names(classes)
     for name, want in traced["classes"].items():
         if mine.get(name) != want:
             raise ValueError(f"{name} has other code here than the compile saw (a file edited since it was imported?)")

@@ -15,7 +15,7 @@ import types
 from typing import Any, Callable
 
 from . import internals
-from .guards import _CHECKS, _GLOBALS_OF, _NAMES, _SKIPPED, _STATE, _classes, _user_classes, describe
+from .guards import GUARD_CHECKS, GLOBALS_OF, GUARD_NAMES, SKIPPED_GUARDS, STATE_GUARD, class_names, user_classes, describe
 from .refused import Refused
 
 
@@ -87,7 +87,7 @@ def trace(head: Callable, modules: list, inputs: list, grad: bool) -> dict:
     guards = [g for g in (_guard(e, state) for e in seen.guards) if g is not None]
     _same_in_both(head, guards, _by_value_scopes(extra, made, saved, by_value))
     named = [type(e.value) for e in seen.guards if e.kind == "TYPE_MATCH" and e.has_value]
-    return {"guards": guards, "imports": imports, "classes": _classes(_user_classes(modules, named))}
+    return {"guards": guards, "imports": imports, "classes": class_names(user_classes(modules, named))}
 
 
 def _roots(head: Callable, modules: list) -> list:
@@ -139,7 +139,7 @@ def _imports(extra: dict[str, Any]) -> dict[str, str]:
             module = value.get("__name__") if isinstance(value, dict) else None
             if not isinstance(module, str):
                 raise Refused(f"it reads the globals of code that is not a module's ({name})")
-            imports[name] = _GLOBALS_OF + module
+            imports[name] = GLOBALS_OF + module
     return imports
 
 
@@ -168,12 +168,12 @@ def _guard(e: Any, state: set[int]) -> list | None:
         return _tensor_guard(e, state)
     if e.has_value and isinstance(e.value, os._Environ):
         raise Refused(f"it reads environment variables ({source}), which dynamo's guards do not check")
-    if kind in _SKIPPED or not source:
+    if kind in SKIPPED_GUARDS or not source:
         return None  # tensors; the grad mode and torch's global settings (checked or sent as settings)
-    if kind not in _CHECKS:
+    if kind not in GUARD_CHECKS:
         raise Refused(f"a guard of a kind not checked here ({kind} on {source})")
     names = {n.id for n in ast.walk(ast.parse(source, mode="eval")) if isinstance(n, ast.Name)}
-    if not names <= _NAMES:
+    if not names <= GUARD_NAMES:
         raise Refused(f"a guard on something not global ({kind} on {source})")
     extra = e.keywords["source_b"].name if kind == "DUPLICATE_INPUT" else e.keywords.get("attr", e.keywords.get("key"))
     if not (extra is None or type(extra) in (str, int, float, bool)):
@@ -189,7 +189,7 @@ def _tensor_guard(e: Any, state: set[int]) -> list | None:
     if id(e.value) not in state:
         raise Refused(f"a tensor constant: {e.source} is not a parameter, buffer or input of the step "
                       "(the package would hold its values)")
-    if not _STATE.fullmatch(e.source):
+    if not STATE_GUARD.fullmatch(e.source):
         return ["ID_MATCH", e.source, describe("ID_MATCH", e.value), None]
     return None
 

@@ -3,7 +3,7 @@ the compiler.
 
 A compile on the background thread shares the program's interpreter: its imports, tracing and the
 ``compile()`` of generated code hold the GIL for up to 150 ms at a time, and the program stalls for that
-long.  A head over plain CPU tensors (the *direct* form's kind, see ``compiler._direct_compile``) needs
+long.  A head over plain CPU tensors (the *direct* form's kind, see ``compiler.direct_compile``) needs
 nothing from the program's process but its function and its inputs' layouts, so it compiles elsewhere:
 
 - the parent pickles the head function (cloudpickle) and its inputs' layouts, never their values;

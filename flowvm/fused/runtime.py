@@ -20,7 +20,7 @@ which uses the compiled code whose guards pass and otherwise runs the
 function eagerly without compiling (a guard miss: new shapes, say).  A miss
 is noticed (the graph was not entered) and starts another background
 compile, up to ``max_compiles``.  A head over plain tensors with no autograd
-also gets a *direct* form (``_direct_compile``): inductor's graph called
+also gets a *direct* form (``direct_compile``): inductor's graph called
 without dynamo, behind flowvm's own layout check, since for a small step
 dynamo's per-call guards cost more than the kernel.
 
@@ -44,11 +44,11 @@ from typing import Any, Callable
 from ..base.errors import FusionWarning
 from ..machine.running import remaining_runs
 from . import cache
-from .choosing import MIN_TRIAL_SECONDS, Choosing, _us  # noqa: F401  (MIN_TRIAL_SECONDS: the trials' knob)
+from .choosing import MIN_TRIAL_SECONDS, Choosing, microseconds  # noqa: F401  (MIN_TRIAL_SECONDS: the trials' knob)
 from .codegen import generate, leaf_source
 from .compiler import _direct_caller, compile_estimate, program_ran
 from .packaged import Packaged
-from .threadcompile import ThreadCompile, _run_only, _tls  # noqa: F401
+from .threadcompile import ThreadCompile, run_only, compile_tls  # noqa: F401
 
 
 class Runtime(Choosing, Packaged, ThreadCompile):
@@ -80,7 +80,7 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         self._chosen: Callable = self.eager
         self._compiled: Callable | None = None
         self._runonly: Callable | None = None
-        self._direct: tuple | None = None  # (input layouts, compiled graph, its bare callable, reads): _direct_compile
+        self._direct: tuple | None = None  # (input layouts, compiled graph, its bare callable, reads): direct_compile
         self.refused: str | None = None    # why the out-of-process compile did not give a graph (see _out_of_process)
         self._verify = False               # check the direct graph's first call against eager
         self._job_pid: int | None = None   # the process whose child compiles the step (_out_of_process)

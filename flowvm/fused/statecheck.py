@@ -12,20 +12,20 @@ from . import internals
 
 
 @functools.lru_cache(maxsize=None)
-def _internals() -> frozenset:
+def internal_module_classes() -> frozenset:
     """The attributes every nn.Module has (its hook dicts, _parameters...)."""
     import torch
 
     return frozenset(vars(torch.nn.Module()))
 
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+HOOK_ATTRS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks", "_global_module_registration_hooks",
                  "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")
 
 
-def _global_hooks() -> list:
+def global_hooks() -> list:
     from torch.nn.modules import module as nnmodule
 
     return [getattr(nnmodule, name, None) for name in _GLOBAL_HOOKS]
@@ -38,14 +38,14 @@ def _module_checks(k: int, module: Any, ns: dict, guarded: bool) -> list[str]:
     user's that the step does not read may change."""
     import torch
 
-    own = _internals()
+    own = internal_module_classes()
     plain = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
     attrs = vars(module)
     ns[f"m{k}"] = attrs  # its dicts are read from it at each call (Sequential's del replaces _modules)
     ns[f"mo{k}"], ns[f"mt{k}"] = module, type(module)
     checks = [f"type(mo{k}) is mt{k}", f"m{k}['training'] is {bool(module.training)}",
               f"len(m{k}['_modules']) == {len(attrs['_modules'])}"]
-    checks += [f"not m{k}[{name!r}]" for name in _HOOKS if name in attrs] + [f"'forward' not in m{k}"]
+    checks += [f"not m{k}[{name!r}]" for name in HOOK_ATTRS if name in attrs] + [f"'forward' not in m{k}"]
     for kind in ("_parameters", "_buffers"):  # the same names (a bias added where there was none...)
         checks.append(f"len(m{k}[{kind!r}]) == {len(attrs[kind])}")
         checks += [f"m{k}[{kind!r}].get({name!r}, 0) is None" for name, t in attrs[kind].items() if t is None]
@@ -64,7 +64,7 @@ def _module_checks(k: int, module: Any, ns: dict, guarded: bool) -> list[str]:
     return checks
 
 
-def _ready(p: Any) -> Callable[[], list | None]:
+def ready_check(p: Any) -> Callable[[], list | None]:
     """A generated function reading the plan's state from its modules, checked against its layouts, and
     checking the modules' flags, submodules, settings and hooks and the grad mode (see _module_checks)."""
     import torch
@@ -89,7 +89,7 @@ def _ready(p: Any) -> Callable[[], list | None]:
                       f"and s{k}_0.is_cpu and s{k}_0.layout is strided and not s{k}_0.is_neg()")
     for k, module in enumerate(p.tree):
         checks += _module_checks(k, module, ns, p.guarded)
-    ns["global_hooks"] = _global_hooks
+    ns["global_hooks"] = global_hooks
     checks.append("not any(global_hooks())")
     lines.append(f"    if {' and '.join(checks)}:")
     lines.append(f"        return [{', '.join(f's{k}_0' for k in range(len(p.state)))}]")

@@ -38,7 +38,7 @@ from typing import Any, Callable
 from . import internals
 from .checks import aoti_available, holds_state, plain_tensor, settings, torch_code, torch_function
 from .refused import Refused
-from .statecheck import _HOOKS, _global_hooks, _internals, _ready
+from .statecheck import HOOK_ATTRS, global_hooks, internal_module_classes, ready_check
 
 FORWARD, BACKWARD, META = "forward.pt2", "backward.pt2", "meta.json"
 
@@ -57,7 +57,7 @@ class Plan:
     grad: bool                           # grad mode when compiled
     layouts: list[tuple] = field(default_factory=list)  # the step's inputs
     guarded: bool = False                # code of the user's runs in it: compiled under dynamo's guards
-    ready: Callable[[], list | None] | None = None  # the per-call check, of the modules as planned (_ready)
+    ready: Callable[[], list | None] | None = None  # the per-call check, of the modules as planned (ready_check)
 
 
 # methods a subclass of a torch module may override without changing what the module computes
@@ -85,18 +85,18 @@ def _module_kind(module: Any) -> str | None:
     parametrizations, a method set on an instance)."""
     import torch
 
-    if any(_global_hooks()):
+    if any(global_hooks()):
         return "global module hooks"
     user = False
     for sub in module.modules():
         kind = type(sub).__name__
         if torch.nn.utils.parametrize.is_parametrized(sub):
             return f"{kind} has parametrizations"
-        if any(getattr(sub, name, None) for name in _HOOKS):
+        if any(getattr(sub, name, None) for name in HOOK_ATTRS):
             return f"{kind} has hooks"
         user = user or not _torch_class(type(sub))
         for name, value in vars(sub).items():
-            if name in _internals():
+            if name in internal_module_classes():
                 continue
             if hasattr(type(sub), name) and callable(getattr(type(sub), name)):
                 return f"{kind}.{name} is set on the instance"
@@ -140,7 +140,7 @@ def plan(calls: Any, inputs: list, args: tuple) -> Plan:
     p = Plan(head=head, pre=c.pre, modules=c.modules, state=st.state, where=st.where, binds=st.binds, tree=tree,
              grad=torch.is_grad_enabled(), layouts=[(tuple(a.shape), tuple(a.stride()), a.dtype) for a in args],
              guarded=c.guarded)
-    p.ready = _ready(p)  # now: the child compiles the modules as they are now
+    p.ready = ready_check(p)  # now: the child compiles the modules as they are now
     return p
 
 

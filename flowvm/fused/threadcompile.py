@@ -15,11 +15,11 @@ from typing import Callable
 
 from ..base.errors import WarmedUp as _WarmedUp
 from . import internals, resources
-from .compiler import _compiler_ready, _direct_compile, _inductor_after_tracing, _modules, _submit, program_waits
+from .compiler import compiler_ready, direct_compile, inductor_after_tracing, backend_modules, submit_compile, program_waits
 from .compiler import compile_seconds as compiler_seconds
 
-_tls = threading.local()
-_run_only = internals.run_only
+compile_tls = threading.local()
+run_only = internals.run_only
 
 
 class ThreadCompile:
@@ -43,7 +43,7 @@ class ThreadCompile:
         if background and self._out_of_process(args):
             return
         self._waiting = background
-        if background and not _compiler_ready(_modules(self.settings.backend)):
+        if background and not compiler_ready(backend_modules(self.settings.backend)):
             return
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         pos = self.generated.head_positions
@@ -57,7 +57,7 @@ class ThreadCompile:
         self._traced.clear()
         if not background:
             job()
-        elif _submit(job, only_if_free=True):
+        elif submit_compile(job, only_if_free=True):
             t0 = time.perf_counter()
             program_waits()
             self._traced.wait()
@@ -78,7 +78,7 @@ class ThreadCompile:
         if callable(s.backend):
             inner = s.backend
         elif s.backend == "inductor":
-            inner = _inductor_after_tracing(s, self._traced)
+            inner = inductor_after_tracing(s, self._traced)
         else:
             inner = internals.lookup_backend(s.backend)
         if s.backend == "inductor" or internals.is_aot_backend(inner):
@@ -93,7 +93,7 @@ class ThreadCompile:
                 fn = inner(gm, example_inputs)
 
             def run(*a):
-                if getattr(_tls, "warm", False):
+                if getattr(compile_tls, "warm", False):
                     raise _WarmedUp()
                 runtime.hits += 1
                 return fn(*a)
@@ -108,18 +108,18 @@ class ThreadCompile:
         import torch
 
         start = time.perf_counter()
-        _tls.warm = True
+        compile_tls.warm = True
         try:
             if self._compiled is None:
                 compiled = torch.compile(self.generated.head, backend=self._backend(), fullgraph=True,
                                          dynamic=self.settings.dynamic)
-                self._runonly = _run_only(self.generated.head)
+                self._runonly = run_only(self.generated.head)
                 self._compiled = compiled
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 self._compiled(*args)
         except _WarmedUp:
             if self._direct is None:
-                self._direct = _direct_compile(self, args, inference)
+                self._direct = direct_compile(self, args, inference)
         except Exception as err:  # a graph break, an unknown backend, a compiler error
             if background and resources.resource_error(err) and self._tries < resources.MAX_TRIES:
                 short.append(err)  # no thread, process or memory left for now: not the step's failure
@@ -128,7 +128,7 @@ class ThreadCompile:
         else:  # no graph to stop at: nothing was compiled (the function ran, with nothing to fuse)
             self.error = RuntimeError("torch.compile produced no graph for these calls")
         finally:
-            _tls.warm = False
+            compile_tls.warm = False
             self.compile_seconds.append(time.perf_counter() - start)
             if self.settings.backend == "inductor" and self.error is None and not short:
                 compiler_seconds.append(self.compile_seconds[-1])

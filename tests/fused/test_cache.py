@@ -160,7 +160,7 @@ def test_an_entry_whose_first_result_differs_from_eager_is_evicted(cache_dir, mo
     cache.add_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)))  # as a compile that stored it does
     head = rt.generated.head
     monkeypatch.setattr(outofprocess, "load_plain", lambda path: lambda inputs: [o + 1 for o in head(*inputs)])
-    monkeypatch.setattr(threadcompile, "_compiler_ready", lambda names: False)  # the thread's compile: not here
+    monkeypatch.setattr(threadcompile, "compiler_ready", lambda names: False)  # the thread's compile: not here
     fast.run()
     assert rt.cached and rt.refused.startswith("its first result differs from eager's")
     assert not (cache_dir / key).exists()
@@ -244,7 +244,7 @@ def _stored(cache_dir, monkeypatch, prog, reg, decision=None):
     (cache_dir / key / outofprocess.PACKAGE).write_bytes(b"a package")
     head = rt.generated.head
     monkeypatch.setattr(outofprocess, "load_plain", lambda path: lambda inputs: list(head(*inputs)))
-    monkeypatch.setattr(threadcompile, "_compiler_ready", lambda names: False)  # the thread's compile: not here
+    monkeypatch.setattr(threadcompile, "compiler_ready", lambda names: False)  # the thread's compile: not here
     if decision is not None:
         cache.note(key, decision)
     return fast, rt, cache_dir / key

@@ -26,7 +26,7 @@ STUCK = textwrap.dedent("""
         started.set()
         while True:
             torch.mm(x, x)
-    compiler._submit(job)
+    compiler.submit_compile(job)
     started.wait(10)
     print("done", flush=True)
 """)

@@ -210,7 +210,7 @@ def test_an_inductor_compiled_chain_of_ten_ops_agrees_with_the_interpreted_progr
 
 
 def test_the_direct_compiled_form_is_only_for_plain_tensors_with_its_layouts():
-    from flowvm.fused.compiler import _direct_compile
+    from flowvm.fused.compiler import direct_compile
     from flowvm.fused.reads import Reads
     from flowvm.fused.runtime import Runtime
 
@@ -267,9 +267,9 @@ def test_the_direct_compiled_form_is_only_for_plain_tensors_with_its_layouts():
     }
     for what, calls in cases.items():
         rt = runtime_of(calls, reg)
-        assert _direct_compile(rt, (reg["x"],), False) is None, what
+        assert direct_compile(rt, (reg["x"],), False) is None, what
     rt = runtime_of([CALL(torch.sin, reg("w"), store_to=reg("y")), CALL(torch.relu, reg("y"), store_to=reg("z"))], reg)
-    assert _direct_compile(rt, (reg["w"],), False) is None  # needs a gradient
+    assert direct_compile(rt, (reg["w"],), False) is None  # needs a gradient
 
 
 def test_fused_steps_inside_while_and_switch_run_like_the_original_and_resume_exactly():

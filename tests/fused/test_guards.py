@@ -80,7 +80,7 @@ def planned(net):
 def test_the_guards_hold_while_what_the_code_reads_is_unchanged(monkeypatch):
     net = Net()
     p, reg = planned(net)
-    reads = guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True)
+    reads = guardtrace.trace(p.head, p.modules, [reg["x"], reg["y"]], True)
     sources = {source for _, source, _, _ in reads["guards"]}
     assert "G['__import_test_guards'].SCALE" in sources  # a global of the module the code lives in
     assert "dict(type(G['__import_test_guards'].config).__dict__)['shift']" in sources  # a class attribute
@@ -103,7 +103,7 @@ def test_the_guards_hold_while_what_the_code_reads_is_unchanged(monkeypatch):
 def test_a_package_is_not_used_when_what_the_code_read_changed_before_it_arrived(monkeypatch):
     net = Net()
     p, reg = planned(net)
-    reads = guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True)
+    reads = guardtrace.trace(p.head, p.modules, [reg["x"], reg["y"]], True)
     monkeypatch.setattr(Config, "shift", 0.75)
     with pytest.raises(ValueError, match=r"\['shift'\] is builtins.float 0.75 here, the compile saw builtins.float 0.5"):
         guards.check(p.head, p.modules, reads)
@@ -181,7 +181,7 @@ class Encoder(torch.nn.Module):
 def test_the_guards_of_common_model_shapes_are_checked_here(model, monkeypatch):
     net = model()
     p, reg = planned(net)
-    holds = guards.check(p.head, p.modules, guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True))
+    holds = guards.check(p.head, p.modules, guardtrace.trace(p.head, p.modules, [reg["x"], reg["y"]], True))
     assert holds()
     monkeypatch.setattr(hyper, "scale", 3.0)
     assert not holds()  # a dataclass's field the forward reads
@@ -321,7 +321,7 @@ def test_hooks_methods_and_class_attributes_changed_since_are_seen(monkeypatch):
     """What dynamo's own guards leave out: hooks of a module outside the step's modules, a method replaced on
     the class, a class attribute shadowed in a class between the instance's and the one it was read from."""
     p, reg = planned(Reaching())
-    holds = guards.check(p.head, p.modules, guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True))
+    holds = guards.check(p.head, p.modules, guardtrace.trace(p.head, p.modules, [reg["x"], reg["y"]], True))
     assert holds()
     handle = SOFT.register_forward_hook(lambda module, args, out: out * 10)
     assert not holds()
@@ -391,11 +391,11 @@ def test_a_module_pickled_partly_by_value_must_read_the_same_values_in_both_part
     script = textwrap.dedent("""
         import json, pickle, sys
         import torch
-        from flowvm.fused import guards
+        from flowvm.fused import guards, guardtrace
         job = pickle.loads(open(sys.argv[1], "rb").read())
         inputs = [torch.empty_strided(s, t, dtype=d).zero_() for s, t, d in job["layouts"]]
         try:
-            guards.trace(job["head"], job["modules"], inputs, job["grad"])
+            guardtrace.trace(job["head"], job["modules"], inputs, job["grad"])
             print(json.dumps({"refused": None}))
         except guards.Untraceable as why:
             print(json.dumps({"refused": str(why)}))
@@ -445,7 +445,7 @@ class Rebinding(torch.nn.Module):
 def test_globals_rebound_sets_changed_in_place_helpers_patched_and_classes_swapped_are_seen(monkeypatch):
     net = Rebinding()
     p, reg = planned(net)
-    holds = guards.check(p.head, p.modules, guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True))
+    holds = guards.check(p.head, p.modules, guardtrace.trace(p.head, p.modules, [reg["x"], reg["y"]], True))
     assert holds() and p.ready() is not None
     monkeypatch.setattr(Rebinding, "calls", 5)
     assert holds()  # a class attribute the code does not read
@@ -481,7 +481,7 @@ class Environment(Net):
 def test_code_reading_environment_variables_is_left_to_the_thread():
     p, reg = planned(Environment())
     with pytest.raises(guards.Untraceable, match="environment variables"):  # dynamo's guards miss them
-        guards.trace(p.head, p.modules, [reg["x"], reg["y"]], True)
+        guardtrace.trace(p.head, p.modules, [reg["x"], reg["y"]], True)
 
 
 def test_a_guard_read_through_a_functions_globals_is_checked_against_its_modules_globals_here(monkeypatch):

@@ -48,7 +48,7 @@ def test_tracing_on_the_compile_thread_leaves_the_programs_module_calls_alone():
             traced.append(1)
 
     done = threading.Event()
-    compiler._submit(lambda: (tracing(), done.set()))
+    compiler.submit_compile(lambda: (tracing(), done.set()))
     drv = prog.start()
     while not done.wait(0):
         drv.run(max_steps=50)  # raised NameError: module is not installed as a submodule

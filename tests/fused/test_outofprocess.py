@@ -32,7 +32,7 @@ def chain(n, x=None):
 def asked(monkeypatch) -> list:
     """The compiles asked of the compile thread (its compiler imports checked first; never started here)."""
     calls: list = []
-    monkeypatch.setattr(threadcompile, "_compiler_ready", lambda names: calls.append(names) or False)
+    monkeypatch.setattr(threadcompile, "compiler_ready", lambda names: calls.append(names) or False)
     return calls
 
 

@@ -167,7 +167,7 @@ def test_a_fusable_function_of_the_users_gets_no_direct_form():
                       form="eager")
     rt = fast.runtime()
     rt.settings = dataclasses.replace(rt.settings, form="auto")
-    assert compiler._direct_compile(rt, (reg["x"],), inference=False) is None
+    assert compiler.direct_compile(rt, (reg["x"],), inference=False) is None
 
 
 def test_a_compiled_step_whose_reads_changed_says_it_runs_eagerly_and_why():

@@ -33,7 +33,7 @@ def python_env() -> dict:
 def asked(monkeypatch) -> list:
     """The compiles asked of the compile thread (never started here)."""
     calls: list = []
-    monkeypatch.setattr(threadcompile, "_compiler_ready", lambda names: calls.append(names) or False)
+    monkeypatch.setattr(threadcompile, "compiler_ready", lambda names: calls.append(names) or False)
     return calls
 
 
@@ -345,7 +345,7 @@ def test_the_state_check_passes_for_common_modules_as_they_are(make):
 def test_a_parameter_added_where_there_was_none_is_seen():
     reg = data()
     net = torch.nn.Sequential(torch.nn.Linear(8, 3, bias=False))
-    ready = stateful._ready(plan_of(step_calls(net, reg), reg))
+    ready = stateful.ready_check(plan_of(step_calls(net, reg), reg))
     assert ready() is not None
     net[0].bias = torch.nn.Parameter(torch.zeros(3))
     assert ready() is None
@@ -354,7 +354,7 @@ def test_a_parameter_added_where_there_was_none_is_seen():
 def test_the_state_check_reads_the_modules_now():
     net, reg = mlp(torch.nn.Dropout(0.0)), data()
     p = plan_of(step_calls(net, reg), reg)
-    ready = stateful._ready(p)
+    ready = stateful.ready_check(p)
     got = ready()
     assert got is not None and all(a is b for a, b in zip(got, net.parameters()))
     net.eval()
@@ -404,7 +404,7 @@ class EagerKernel(kernel.Kernel):
     wrong = False
 
     def __init__(self, p, workdir):
-        self.plan, self.backward, self.ready, self.mutated, self.before = p, True, stateful._ready(p), [], None
+        self.plan, self.backward, self.ready, self.mutated, self.before = p, True, stateful.ready_check(p), [], None
 
     def __call__(self, state, inputs):
         if self.before is None:
