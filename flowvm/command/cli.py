@@ -109,6 +109,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_show(args) -> int:
+    launch.complete_step(args)  # a data-parallel run's folder: its complete step
     if not format_of(args.path).holds_code:
         return cmd_show_state(args)
     return cmd_show_checkpoint(args)

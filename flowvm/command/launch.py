@@ -90,6 +90,14 @@ def cmd_resume(args) -> int:
     return _as_rank(args, _resume_rank)
 
 
+def complete_step(args) -> None:
+    """A data-parallel run's location given to ``show`` or ``plot``: its manifest's complete step (the run
+    rank 0 saved there, ``shared.ckpt``) in args.path instead."""
+    if checkpoints.is_checkpoint(args.path):
+        manifest = checkpoints.read_manifest(args.path, key_of(args))
+        args.path = checkpoints.join(args.path, f"{manifest['folder']}/shared.ckpt")
+
+
 # ------------------------------------------------------------------ the launcher
 def _location(value):
     if value is None:
@@ -308,4 +316,4 @@ class _Progress:
               file=sys.stderr, flush=True)
 
 
-__all__ = ["add_options", "wanted", "cmd_run", "cmd_resume", "CheckpointError"]
+__all__ = ["add_options", "wanted", "cmd_run", "cmd_resume", "complete_step", "CheckpointError"]

@@ -84,7 +84,9 @@ def cmd_sweep(args) -> int:
 def cmd_plot(args) -> int:
     """Draw the history a run recorded (read from the checkpoint's header: nothing is unpickled)."""
     from .history import plot_history
+    from .launch import complete_step
 
+    complete_step(args)  # a data-parallel run's folder: its complete step
     key = key_of(args)
     header = format_of(args.path).read_header(args.path, key)
     meta = header.get("meta") or {}

@@ -138,3 +138,18 @@ def test_launch_from_python_raises_one_rank_error_without_torchs_traceback(tmp_p
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert "raised rank 1 failed (exit code 1): ValueError: boom at update 5" in done.stdout, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_show_and_plot_of_a_run_folder_read_its_complete_step(tmp_path):
+    ckpt = tmp_path / "run"
+    code, _, err = finish(start("run", PROG, "--nproc", "2", "--checkpoint", str(ckpt), "--max-steps", "6",
+                                "--history", "loss"))
+    assert code == 0, err[-3000:]
+    shown = subprocess.run([sys.executable, "-P", "-m", "flowvm", "show", str(ckpt)], capture_output=True,
+                           text=True, timeout=TIMEOUT)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "/step-00000006-" in shown.stdout and "# flowvm driver: step 6 " in shown.stdout, shown.stdout
+    plotted = subprocess.run([sys.executable, "-P", "-m", "flowvm", "plot", str(ckpt), "-o",
+                              str(tmp_path / "loss.png")], capture_output=True, text=True, timeout=TIMEOUT)
+    assert plotted.returncode == 0, plotted.stderr[-3000:]
+    assert (tmp_path / "loss.png").stat().st_size > 0
