@@ -124,3 +124,23 @@ def mismatch(got: Any, want: Any, scale: float = 0.0) -> str | None:
         if not same:
             return f"result {k} differs from eager"
     return None
+
+
+def collective(calls: Any) -> str | None:
+    """Why a step whose calls communicate with other processes (a DistributedDataParallel or FSDP module,
+    a torch.distributed function) stays eager, or None.  Every rank must run the same collectives in the
+    same order, and each rank would change forms at its own time (its own timings, its own compile); a
+    child process cannot take the process group either."""
+    import torch
+
+    from ..program.printer import call_text
+
+    for call in calls:
+        for obj in (call.fn, getattr(call.fn, "__self__", None)):
+            for sub in obj.modules() if isinstance(obj, torch.nn.Module) else ():
+                if type(sub).__module__.startswith(("torch.nn.parallel", "torch.distributed")):
+                    return (f"CALL {call_text(call)}: {type(sub).__name__} communicates with the other ranks; "
+                            "a fused step holding it stays eager")
+        if (getattr(call.fn, "__module__", None) or "").startswith("torch.distributed"):
+            return f"CALL {call_text(call)}: a collective of torch.distributed; a fused step holding it stays eager"
+    return None

@@ -45,6 +45,7 @@ from ..base.errors import FusionWarning
 from ..machine.running import remaining_runs
 from . import cache
 from .choosing import MIN_TRIAL_SECONDS, Choosing, microseconds  # noqa: F401  (MIN_TRIAL_SECONDS: the trials' knob)
+from .checks import collective
 from .codegen import generate, leaf_source
 from .compiler import _direct_caller, compile_estimate, program_ran
 from .packaged import Packaged
@@ -124,6 +125,10 @@ class Runtime(Choosing, Packaged, ThreadCompile):
     def _first(self, *args):
         """The first execution: start compiling (or compile now, when not in the background)."""
         st = self.settings
+        reason = collective(self.el.calls)
+        if reason is not None:  # never compiled: the ranks must run the same collectives (checks.collective)
+            self.state, self.current, self.refused, self.decision = "eager", self.eager, reason, f"eager: {reason}"
+            return self.eager(*args)
         if st.form != "eager" and self._from_cache(args):  # compiled already: no warm-up, nothing to repay
             return self._after_compile()(*args)
         self._checks_payback = st.background and st.form == "auto" and st.payback > 0 and st.backend == "inductor"
