@@ -1,0 +1,69 @@
+"""The house rules on size (docs/architecture.md): every module of flowvm/, programs/ and flowvm_cli.py at
+most 400 lines, every function at most 60 lines and of cyclomatic complexity (radon's) at most 15.  The
+figures come from scripts/sizes.py, which prints them."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "sizes.py"
+
+# Entries over a limit, each with its reason: flat ladders of one-line checks whose order is the point, and
+# the few left to split.  The list may only shrink (test_kept_entries_are_still_over_the_limits).
+LADDER = "a flat ladder of one-line checks, read in order"
+KEPT: dict[str, str] = {
+    "flowvm/processes/executors.py": "403 lines: the default pool's life in one place",
+    "flowvm/fused/element.py:FuseSettings.__post_init__": LADDER + " (each option's check)",
+    "flowvm/fused/reads.py:immutable": LADDER + " (each kind of value proven immutable)",
+    "flowvm/fused/reads.py:same": LADDER + " (each kind of value compared)",
+    "flowvm/fused/checks.py:plain_graph": LADDER + " (each kind of node refused)",
+    "flowvm/fused/compiler.py:direct_compile": "to split: the direct form's trace, its checks and its install",
+    "flowvm/fused/codegen.py:generate": "to split: the generated function's parts",
+    "flowvm/fused/resources.py:sweep": "to split: the work directories' sweep and the lock files'",
+    "flowvm/fused/guards.py:check": "to split: the guard kinds' checks into a table",
+}
+
+
+def _sizes():
+    if not (REPO / "flowvm").is_dir():
+        pytest.skip("no checkout beside the tests")
+    spec = importlib.util.spec_from_file_location("flowvm_sizes", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_module_or_function_is_over_the_limits():
+    sizes = _sizes()
+    figures = sizes.figures()
+    over = [f"{path}: {lines} lines" for path, lines in figures["modules"].items() if path not in KEPT]
+    over += [f"{name}: {lines} lines, complexity {cc}" for name, (lines, cc) in figures["functions"].items()
+             if name not in KEPT]
+    assert not over, "over the limits (split by responsibility, see docs/architecture.md): " + "; ".join(over)
+
+
+def test_the_figures_see_long_and_complex_functions(tmp_path):
+    # The measure itself can fail: a long, branchy function written for the purpose is reported.
+    sizes = _sizes()
+    body = "".join(f"    if x == {i}:\n        return {i}\n" for i in range(40))
+    (tmp_path / "flowvm").mkdir()
+    (tmp_path / "programs").mkdir()
+    (tmp_path / "flowvm_cli.py").write_text("")
+    (tmp_path / "flowvm" / "big.py").write_text("def branchy(x):\n" + body + "    return -1\n" + "\n" * 400)
+    old = sizes.REPO
+    sizes.REPO = tmp_path
+    try:
+        figures = sizes.figures()
+    finally:
+        sizes.REPO = old
+    assert figures["modules"] == {"flowvm/big.py": 482}
+    (lines, cc), = figures["functions"].values()
+    assert lines == 82 and cc == 41
+
+
+def test_kept_entries_are_still_over_the_limits():
+    figures = _sizes().figures()
+    over = set(figures["modules"]) | set(figures["functions"])
+    assert not set(KEPT) - over, f"no longer over the limits, take them off KEPT: {sorted(set(KEPT) - over)}"
