@@ -37,12 +37,11 @@ import argparse
 import os
 import signal
 import sys
-from pathlib import Path
 
 from ..persist.formats import PICKLE, format_of
 from ..base.errors import CheckpointError, FlowError, StoppedDuringStartup
-from .targets import build_program, bundled_programs, load_module, recorded
-from .common import KEY_ENV, check_checkpoint_path, check_output, checkpoint_location, finish, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, trusted_header, write_model
+from .targets import build_program, bundled_programs, recorded
+from .common import KEY_ENV, check_checkpoint_path, check_output, checkpoint_location, finish, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, start_program, trusted_header, write_model
 from .runner import DEFAULT_EVERY_SECONDS, Stop, static_steps
 from .state_commands import cmd_resume_state, cmd_show_checkpoint, cmd_show_state
 from .sweeps import cmd_plot, cmd_sweep, start_dask
@@ -55,14 +54,7 @@ def cmd_run(args) -> int:
     check_checkpoint_path(args.checkpoint)
     refuse_to_overwrite(args.checkpoint, args.force)
     check_output(args.output)
-    values = {"data": str(Path(args.data).resolve())} if args.data is not None else {}  # recorded as given
-    module = load_module(args.target)
-    threads = args.threads if args.threads is not None else getattr(module, "THREADS", None)
-    set_threads(threads)
-    module, program = build_program(args.target, args.set, values)
-    drv = program.start()
-    if args.threads is not None:  # instead of what the program declares (with_process_settings)
-        drv.resume_with(settings={"torch.threads": args.threads})
+    module, drv, values, threads = start_program(args)
     if args.checkpoint is not None:  # a run the format cannot hold (a function in a state file) is refused now
         format_of(args.checkpoint).check(drv, args.checkpoint)
     target = recorded(args.target)  # so that `flowvm resume` finds it from any directory

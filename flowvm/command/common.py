@@ -136,6 +136,23 @@ def runner_for(args, drv: Driver, meta: dict, ckpt: Path | str | None) -> Runner
                 args.progress, args.progress_every, getattr(args, "stop", None), args.history, args.tensorboard)
 
 
+def start_program(args):
+    """The target's module and a started driver of its program, built with the --set options and --data's
+    path as a value (recorded as given), under the thread count asked for or the program's own:
+    (module, driver, values, threads)."""
+    from .targets import build_program
+
+    values = {"data": str(Path(args.data).resolve())} if args.data is not None else {}
+    module = load_module(args.target)
+    threads = args.threads if args.threads is not None else getattr(module, "THREADS", None)
+    set_threads(threads)
+    module, program = build_program(args.target, args.set, values)
+    drv = program.start()
+    if args.threads is not None:  # instead of what the program declares (with_process_settings)
+        drv.resume_with(settings={"torch.threads": args.threads})
+    return module, drv, values, threads
+
+
 def set_threads(threads: int | None) -> None:
     """torch's intra-op thread count (before anything runs), when torch is used and a count is asked for."""
     if threads is not None and "torch" in sys.modules:

@@ -29,10 +29,10 @@ from ..persist.lock import holding
 from ..distributed import checkpoints, group
 from ..distributed.launching import RankError, config, record_error, run_elastic
 from ..distributed.loop import DEFAULT_SYNC_EVERY, Synchronized
-from .common import check_output, finish, key_of, module_of, set_threads, write_model
+from .common import check_output, finish, key_of, module_of, set_threads, start_program, write_model
 from .history import History
 from .runner import DEFAULT_EVERY_SECONDS, shown
-from .targets import build_program, load_module, recorded
+from .targets import recorded
 from . import outputs
 
 
@@ -226,14 +226,7 @@ def _run_rank(args) -> int:
             return _resume_rank(args)
         if not args.force and restart == 0:
             _refuse_unfinished(location, key)
-    values = {"data": str(Path(args.data).resolve())} if args.data is not None else {}  # recorded as given
-    module = load_module(args.target)
-    threads = args.threads if args.threads is not None else getattr(module, "THREADS", None)
-    set_threads(threads)
-    module, program = build_program(args.target, args.set, values)
-    drv = program.start()
-    if args.threads is not None:
-        drv.resume_with(settings={"torch.threads": args.threads})
+    module, drv, values, threads = start_program(args)
     meta = dict(_meta(args, module, threads, location, values), run_id=run_id)
     return _go(args, drv, module, meta, location, key, resumed=False)
 
