@@ -14,6 +14,7 @@ are timed on each rank, and rank 0 writes the seconds per step to ``--out`` (JSO
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -76,6 +77,10 @@ def main(argv=None) -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps({"step_s": seconds / args.steps, "steps": args.steps,
                                               "world_size": world, "loss": loss, "pid": os.getpid()}))
+    # the DDP module holds the group: dropped before the group ends, not at the interpreter's exit (gloo's
+    # threads, destroyed then, can abort the process after its work is done)
+    del net, model, opt, step
+    gc.collect()
     dist.destroy_process_group()
 
 

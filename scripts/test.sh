@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up and pass the tests with flowvm as users get it: build the sdist and, from it, the wheel; install
 # the wheel (not editable) with the test extras into .venv; run the suite against that installed package.
-# Arguments go to pytest (scripts/test.sh -x -k checkpoint).
+# Arguments go to pytest (scripts/test.sh -x -k checkpoint), in one run.  Without arguments the suite runs in
+# two parts: the tests that can share the machine on $FLOWVM_TEST_WORKERS workers (default 2, pytest-xdist),
+# then those marked serial (tests/fused, tests/distributed: see tests/conftest.py) one at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -14,4 +16,8 @@ wheel=$(ls dist/*.whl)
 .venv/bin/pip install --force-reinstall --no-deps "$wheel"  # the wheel just built, even at an unchanged version
 # -P: the checkout (the current directory) is not put on sys.path, so `import flowvm` is the installed wheel,
 # not the flowvm/ folder beside this script.
-.venv/bin/python -P -m pytest "$@"
+if [ $# -gt 0 ]; then
+    exec .venv/bin/python -P -m pytest "$@"
+fi
+.venv/bin/python -P -m pytest -m "not serial" -n "${FLOWVM_TEST_WORKERS:-2}" --dist loadfile
+.venv/bin/python -P -m pytest -m serial

@@ -32,10 +32,17 @@ if ! "$venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split(
     numpy=$(python3 -c "print('numpy<2' if tuple(map(int, '$version'.split('.')[:2])) < (2, 3) else 'numpy')")
     "$venv/bin/pip" install -q "torch==$version" "$numpy" "$wheel[test]"
 fi
+"$venv/bin/pip" install -q "$wheel[test]"  # a test requirement added since the venv was made
 "$venv/bin/pip" install -q --force-reinstall --no-deps "$wheel"  # the wheel just built
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 # test_cross_python.py resumes runs under other Python versions, not other torches: the main suite runs it.
 # FLOWVM_TORCH_TESTS: the test folders (default: core, persist and fused).
 tests=${FLOWVM_TORCH_TESTS:-tests/test_package.py tests/base tests/program tests/machine tests/persist tests/fused}
-# shellcheck disable=SC2086
-timeout 1200 "$venv/bin/python" -P -m pytest -q -rs -p no:randomly $tests --ignore=tests/persist/test_cross_python.py "$@"
+# The tests that can share the machine on two workers, then the serial ones (tests/conftest.py) alone.
+run() {
+    # shellcheck disable=SC2086
+    timeout 1200 "$venv/bin/python" -P -m pytest -q -rs $tests --ignore=tests/persist/test_cross_python.py "$@" ||
+        [ $? -eq 5 ]  # 5: arguments that leave one part with no test
+}
+run -m "not serial" -n "${FLOWVM_TEST_WORKERS:-2}" --dist loadfile "$@"
+run -m serial "$@"

@@ -12,3 +12,22 @@ os.environ["FLOWVM_CACHE_DIR"] = "off"
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+# Tests that must have the machine to themselves: the fused tests (a compile child runs at the lowest CPU
+# priority, and a test waits for it), and the distributed ones (several ranks, their time-outs, fixed test
+# hosts).  scripts/test.sh runs the other tests on several workers (pytest-xdist), then these alone, one at
+# a time: `-m "not serial" -n 2`, then `-m serial`.
+SERIAL_FOLDERS = ("fused", "distributed")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: run alone, not beside other tests (tests/fused, tests/distributed)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        parts = item.path.relative_to(HERE).parts
+        if parts and parts[0] in SERIAL_FOLDERS:
+            item.add_marker(pytest.mark.serial)
