@@ -34,7 +34,7 @@ import torch
 
 from flowvm import CALL, REPEAT, SEQ, Batches, DataError, Registers, load_data
 from flowvm.base.dataset import Data
-from flowvm.programs import batch_options, check_options
+from flowvm.programs import _training, batch_options, check_options
 
 SHOW = ["epoch", "loss", "accuracy"]
 THREADS = 1  # a small network's step runs fastest on one torch thread; build() declares it
@@ -124,49 +124,8 @@ class TrainedConvNet:
         return network.eval()
 
 
-class Trainer:
-    """A network and its optimizer: one update per call, and the held-out accuracy.  When torch.distributed
-    runs more than one rank, the updates go through the network wrapped in DistributedDataParallel (the ranks'
-    gradients averaged); the wrapper holds the process group, so it is a cache: made on first use, never
-    saved (a run saved on some ranks resumes on any number)."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model = model
-        self.optimizer = optimizer
-        self.updates = 0
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.pop("_ddp", None)
-        return state
-
-    def network(self) -> torch.nn.Module:
-        """The model, or its DistributedDataParallel wrapper on several ranks."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return self.model
-        if self.__dict__.get("_ddp") is None:
-            self._ddp = torch.nn.parallel.DistributedDataParallel(self.model)
-        return self._ddp
-
-    def train_step(self, batch) -> float:
-        """One update on an (images, labels) batch; returns the batch loss (this rank's)."""
-        x, y = batch
-        network = self.network()
-        network.train()
-        self.optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(network(x), y)
-        loss.backward()
-        self.optimizer.step()
-        self.updates += 1
-        return loss.item()
-
-    @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """The fraction of images classified correctly (on every rank alike: no collective)."""
-        self.model.eval()
-        return (self.model(x).argmax(dim=1) == y).float().mean().item()
+class Trainer(_training.Trainer):
+    """The network and its optimizer (see flowvm/programs/_training.py), with one log entry per epoch."""
 
     def log(self, history: list, epoch: int, loss: float, accuracy: float) -> list:
         """history with one more entry for the epoch just finished."""

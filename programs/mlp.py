@@ -33,7 +33,7 @@ import torch
 
 from flowvm import CALL, LOOP, REPEAT, SEQ, WEAVE, Batches, DataError, Registers, load_data
 from flowvm.base.dataset import Data
-from flowvm.programs import batch_options, check_options
+from flowvm.programs import _training, batch_options, check_options
 
 SHOW = ["epoch", "loss", "accuracy"]
 THREADS = 1  # this small model runs far faster on one torch thread than on several; build() declares it
@@ -146,49 +146,8 @@ class TrainedMLP:
         return network.eval()
 
 
-class Trainer:
-    """A model and its optimizer: one fused update per call, evaluation and a log entry.  On several ranks
-    (``flowvm run mlp --nproc 2``) the updates go through the model wrapped in DistributedDataParallel, which
-    averages the ranks' gradients; the wrapper holds the process group, so it is made on first use and never
-    saved."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model = model
-        self.optimizer = optimizer
-        self.updates = 0
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.pop("_ddp", None)
-        return state
-
-    def network(self) -> torch.nn.Module:
-        """The model, or its DistributedDataParallel wrapper when more than one rank runs."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return self.model
-        if self.__dict__.get("_ddp") is None:
-            self._ddp = torch.nn.parallel.DistributedDataParallel(self.model)
-        return self._ddp
-
-    def train_step(self, batch) -> float:
-        """One update on a (inputs, labels) batch; returns the batch loss (this rank's)."""
-        x, y = batch
-        network = self.network()
-        network.train()
-        self.optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(network(x), y)
-        loss.backward()
-        self.optimizer.step()
-        self.updates += 1
-        return loss.item()
-
-    @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """The fraction of points classified correctly."""
-        self.model.eval()
-        return (self.model(x).argmax(dim=1) == y).float().mean().item()
+class Trainer(_training.Trainer):
+    """The model and its optimizer (see flowvm/programs/_training.py), with one log entry per evaluation."""
 
     def log(self, history: list, epoch: int, loss: float, accuracy: float | None) -> list:
         """history with one more entry for the current update."""

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-FORMAT = 1                      # the entries' layout; a change makes every older entry a miss
+FORMAT = 2                      # the entries' layout; a change makes every older entry a miss
 MAX_BYTES = 2 * 1024 ** 3
 TEMP_PREFIX = ".tmp-"
 DECISION = "decision.json"      # what a run measured of the entry's package (see note)

@@ -16,9 +16,7 @@ from ..program.registers import Register, resolve
 def generate(el) -> "Generated":
     """The generated functions of a FUSED element (see Generated)."""
     var: dict[str, str] = {}
-    for r in el.inputs:
-        var.setdefault(r.name, f"r{len(var)}")
-    for r in el.outputs:
+    for r in [*el.inputs, *el.outputs]:
         var.setdefault(r.name, f"r{len(var)}")
     ns: dict[str, Any] = {}
     calls = el.calls
@@ -28,18 +26,7 @@ def generate(el) -> "Generated":
 
     def body(indices) -> None:
         for i in indices:
-            call = calls[i]
-            ns[f"f{i}"] = call.fn
-            parts = [_src(a, f"c{i}_{j}", ns, var) for j, a in enumerate(call.args)]
-            for j, (key, value) in enumerate(call.kwargs.items()):
-                name = f"c{i}_k{j}"
-                if key.isidentifier() and not keyword.iskeyword(key):
-                    parts.append(f"{key}={_src(value, name, ns, var)}")
-                else:
-                    ns[name + "_key"] = key
-                    parts.append(f"**{{{name}_key: {_src(value, name, ns, var)}}}")
-            target = f"{var[call.store_to.name]} = " if call.store_to is not None else ""
-            lines.append(f"    {target}v = f{i}({', '.join(parts)})")
+            lines.append(_call_line(i, calls[i], ns, var))
             line_of[len(lines)] = i
 
     def ret(names) -> None:
@@ -60,12 +47,7 @@ def generate(el) -> "Generated":
         body(range(split, len(calls)))
         ret([r.name for r in el.outputs])
     source = "\n".join(lines) + "\n"
-    # named by its source, so that the same calls give the same function (and pickle) in every process
-    filename = f"<flowvm FUSED {hashlib.sha1(source.encode()).hexdigest()[:16]}>"
-    exec(compile(source, filename, "exec"), ns)
-    for name in ("fused", "head", "tail"):  # a module name of their own: a pickler looking for the module
-        if name in ns:                       # of a function with none searches every module imported
-            ns[name].__module__ = filename
+    filename = _define(source, ns)
     names = [r.name for r in el.inputs]
     positions = None if head_inputs == names else tuple(names.index(n) for n in head_inputs)
     if split == len(calls):
@@ -73,6 +55,32 @@ def generate(el) -> "Generated":
     if split == 0:  # nothing before the backward pass: nothing to compile
         return Generated(ns["fused"], None, None, None, line_of, filename, source)
     return Generated(ns["fused"], ns["head"], ns["tail"], positions, line_of, filename, source)
+
+
+def _call_line(i: int, call, ns: dict, var: dict) -> str:
+    """The line of the generated source calling calls[i] (its function and constants put in ns)."""
+    ns[f"f{i}"] = call.fn
+    parts = [_src(a, f"c{i}_{j}", ns, var) for j, a in enumerate(call.args)]
+    for j, (key, value) in enumerate(call.kwargs.items()):
+        name = f"c{i}_k{j}"
+        if key.isidentifier() and not keyword.iskeyword(key):
+            parts.append(f"{key}={_src(value, name, ns, var)}")
+        else:
+            ns[name + "_key"] = key
+            parts.append(f"**{{{name}_key: {_src(value, name, ns, var)}}}")
+    target = f"{var[call.store_to.name]} = " if call.store_to is not None else ""
+    return f"    {target}v = f{i}({', '.join(parts)})"
+
+
+def _define(source: str, ns: dict) -> str:
+    """Run the generated source in ns; its file name.  Named by its source, so that the same calls give the
+    same function (and pickle) in every process."""
+    filename = f"<flowvm FUSED {hashlib.sha1(source.encode()).hexdigest()[:16]}>"
+    exec(compile(source, filename, "exec"), ns)
+    for name in ("fused", "head", "tail"):  # a module name of their own: a pickler looking for the module
+        if name in ns:                       # of a function with none searches every module imported
+            ns[name].__module__ = filename
+    return filename
 
 
 @dataclass

@@ -199,34 +199,46 @@ def direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
     """
     from .reads import Reads, Unchecked
 
-    s = rt.settings
-    if s.backend != "inductor" or s.mode not in (None, "default") or s.dynamic or inference:
+    calls = _direct_calls(rt, args, inference)
+    if calls is None:
         return None
-    if not args or not all(plain_tensor(a) for a in args):
-        return None
-    gen = rt.generated
-    calls = rt.el.calls if gen.tail is None else rt.el.calls[:_barrier_index(rt.el.calls)]
-    for call in calls:
-        if not torch_function(call.fn) or holds_state(list(call.args)) or holds_state(dict(call.kwargs)):
-            return None
     try:
         reads = Reads.capture(calls)  # now, as the trace reads them: the compile thread has the program's modes
     except Unchecked:
         return None
     try:
-        gm = internals.fake_trace(gen.head, args)
+        gm = internals.fake_trace(rt.generated.head, args)
         if plain_graph(gm) is not None:
             return None  # in-place, view or random ops, or results that are not new tensors: left to dynamo
-        fn = internals.inductor_graph(gm, list(args), dict(s.options))
+        fn = internals.inductor_graph(gm, list(args), dict(rt.settings.options))
     except Exception:
         return None
     layouts = tuple((type(a), a.dtype, a.device, a.shape, a.stride()) for a in args)
-    # On the CPU the graph's wrapper only adds bookkeeping (profiler labels, GPU autotune caches) around
-    # its generated callable: after one call through the wrapper, _compiled_call calls that directly.
+    return layouts, fn, _bare_callable(fn), reads
+
+
+def _direct_calls(rt: Runtime, args: tuple, inference: bool) -> list | None:
+    """The head's calls when the settings and inputs allow a direct form and every call is one of torch's
+    own functions holding no state; None otherwise."""
+    s = rt.settings
+    if s.backend != "inductor" or s.mode not in (None, "default") or s.dynamic or inference:
+        return None
+    if not args or not all(plain_tensor(a) for a in args):
+        return None
+    calls = rt.el.calls if rt.generated.tail is None else rt.el.calls[:_barrier_index(rt.el.calls)]
+    for call in calls:
+        if not torch_function(call.fn) or holds_state(list(call.args)) or holds_state(dict(call.kwargs)):
+            return None
+    return calls
+
+
+def _bare_callable(fn) -> Callable | None:
+    """On the CPU the graph's wrapper only adds bookkeeping (profiler labels, GPU autotune caches) around
+    its generated callable: after one call through the wrapper, _compiled_call calls that directly."""
     call = getattr(fn, "current_callable", None)
     if call is None or not set(getattr(fn, "device_types", None) or ()) <= {"cpu"}:
-        call = None
-    return layouts, fn, call, reads
+        return None
+    return call
 
 
 def _direct_caller(rt: Runtime, kernel: Callable, first: bool) -> Callable:

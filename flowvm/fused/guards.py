@@ -256,37 +256,55 @@ def check(head: Callable, modules: list, traced: dict) -> Callable[[], bool]:
         if (kind, source, extra) in seen:
             continue
         seen.add((kind, source, extra))
-        expr = compile(source, "<flowvm guard>", "eval")
-        try:
-            value = eval(expr, ns)  # noqa: S307 - a source dynamo wrote in the child for this step
-        except Exception as err:
-            raise ValueError(f"{source} cannot be read here ({type(err).__name__}: {err})") from None
-        got = describe(kind, value, extra)
-        if got != want:
-            raise ValueError(f"{source} is {got} here, the compile saw {want}")
-        if kind == "DUPLICATE_INPUT" and eval(compile(extra, "<flowvm guard>", "eval"), ns) is not value:  # noqa: S307
-            raise ValueError(f"{source} is not {extra} here, as it was for the compile")
+        value = _read_as_compiled(kind, source, want, extra, ns)
         if kind == "TYPE_MATCH":
             named.append(type(value))
-        if _covered(kind, source, value, extra):
-            continue
-        ns[f"o{k}"] = _recorded(kind, value, extra)
-        parts.append("(" + GUARD_CHECKS[kind].format(v=f"({source})", o=f"o{k}") + ")")
-        inherited = _INHERITED.fullmatch(source)
-        if inherited:  # a class attribute found in a base class: not shadowed since in a class before it
-            obj, depth, key = inherited.groups()
-            ns[f"a{k}"] = ast.literal_eval(key)
-            parts.append(f"not any(a{k} in c.__dict__ for c in type({obj}).__mro__[:{int(depth)}])")
-    classes = user_classes(modules, named)
-    mine = class_names(classes)
-    for name, want in traced["classes"].items():
-        if mine.get(name) != want:
-            raise ValueError(f"{name} has other code here than the compile saw (a file edited since it was imported?)")
-    for j, cls in enumerate(classes):  # a method or other descriptor replaced or added since: other code
-        methods = {n: v for n, v in vars(cls).items() if hasattr(type(v), "__get__")}
-        ns[f"cd{j}"], ns[f"cv{j}"] = vars(cls), methods  # (a counter of the class's may change)
-        parts.append(f"len(cd{j}) == {len(vars(cls))} and all(cd{j}.get(n) is v for n, v in cv{j}.items())")
+        if not _covered(kind, source, value, extra):
+            parts.extend(_guard_parts(k, kind, source, value, extra, ns))
+    parts.extend(_class_parts(user_classes(modules, named), traced["classes"], ns))
     body = " and ".join(parts) or "True"
     code = f"def guards():\n    try:\n        return bool({body})\n    except Exception:\n        return False\n"
     exec(compile(code, "<flowvm FUSED guards>", "exec"), ns)  # noqa: S102
     return ns["guards"]
+
+
+def _read_as_compiled(kind: str, source: str, want, extra, ns: dict):
+    """The value a guard's source reads here; ValueError unless it is what the child's compile saw."""
+    expr = compile(source, "<flowvm guard>", "eval")
+    try:
+        value = eval(expr, ns)  # noqa: S307 - a source dynamo wrote in the child for this step
+    except Exception as err:
+        raise ValueError(f"{source} cannot be read here ({type(err).__name__}: {err})") from None
+    got = describe(kind, value, extra)
+    if got != want:
+        raise ValueError(f"{source} is {got} here, the compile saw {want}")
+    if kind == "DUPLICATE_INPUT" and eval(compile(extra, "<flowvm guard>", "eval"), ns) is not value:  # noqa: S307
+        raise ValueError(f"{source} is not {extra} here, as it was for the compile")
+    return value
+
+
+def _guard_parts(k: int, kind: str, source: str, value, extra, ns: dict) -> list[str]:
+    """The expressions checking guard k before each call (its recorded values put in ns)."""
+    ns[f"o{k}"] = _recorded(kind, value, extra)
+    parts = ["(" + GUARD_CHECKS[kind].format(v=f"({source})", o=f"o{k}") + ")"]
+    inherited = _INHERITED.fullmatch(source)
+    if inherited:  # a class attribute found in a base class: not shadowed since in a class before it
+        obj, depth, key = inherited.groups()
+        ns[f"a{k}"] = ast.literal_eval(key)
+        parts.append(f"not any(a{k} in c.__dict__ for c in type({obj}).__mro__[:{int(depth)}])")
+    return parts
+
+
+def _class_parts(classes: list, traced_classes: dict, ns: dict) -> list[str]:
+    """The expressions checking that the user's classes keep their methods (ValueError when their code
+    already differs from the child's)."""
+    mine = class_names(classes)
+    for name, want in traced_classes.items():
+        if mine.get(name) != want:
+            raise ValueError(f"{name} has other code here than the compile saw (a file edited since it was imported?)")
+    parts = []
+    for j, cls in enumerate(classes):  # a method or other descriptor replaced or added since: other code
+        methods = {n: v for n, v in vars(cls).items() if hasattr(type(v), "__get__")}
+        ns[f"cd{j}"], ns[f"cv{j}"] = vars(cls), methods  # (a counter of the class's may change)
+        parts.append(f"len(cd{j}) == {len(vars(cls))} and all(cd{j}.get(n) is v for n, v in cv{j}.items())")
+    return parts

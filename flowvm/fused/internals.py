@@ -9,7 +9,8 @@ depend on the shape of torch's objects.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import re
+import shutil
 from typing import Any, Callable
 
 _DYNAMO_SCOPE_PREFIX = "___unnamed_scope_"  # torch >= 2.14: a function's globals not those of a module
@@ -276,3 +277,36 @@ def aoti_loader(path: str) -> Any:
     import torch
 
     return torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
+
+
+# What a package of a CPU function with no weights holds besides its one library: sources, metadata and the
+# archive's own records.  A package holding anything else is loaded whole (aoti_loader).
+_LIBRARY_ONLY = re.compile(r"[^/]+/(archive_format|archive_version|byteorder|version|\.data/[^/]+|"
+                           r"data/aotinductor/model/[^/]+\.(cpp|h|json|so))")
+
+
+def aoti_library(package: str, target: str) -> bool:
+    """Write the compiled library of the AOTInductor package at package to target, when it is all the package
+    needs to run (one CPU library, no weights): ``aoti_runner`` loads it without unpacking the package (a
+    third of the time).  Whether it did."""
+    import json
+    import zipfile
+
+    with zipfile.ZipFile(package) as z:
+        names = z.namelist()
+        libraries = [n for n in names if n.endswith(".so")]
+        if len(libraries) != 1 or not all(_LIBRARY_ONLY.fullmatch(n) for n in names):
+            return False
+        for name in names:
+            if name.endswith("_metadata.json") and json.loads(z.read(name)).get("AOTI_DEVICE_KEY") != "cpu":
+                return False
+        with z.open(libraries[0]) as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return True
+
+
+def aoti_runner(library: str) -> Any:
+    """The library aoti_library wrote, loaded with torch's C++ runner (``.run(list of tensors)``)."""
+    import torch
+
+    return torch._C._aoti.AOTIModelContainerRunnerCpu(library, 1)

@@ -36,6 +36,7 @@ from .compiler import _at_exit
 TIMEOUT = 900.0           # seconds; a compile running longer is stopped (and the step compiles on the thread)
 EXIT_WAIT = 5.0           # seconds the program's end waits for the compiles' threads once their children are stopped
 PACKAGE = "step.pt2"
+LIBRARY = "step.so"        # the package's library alone, when that is all it needs (internals.aoti_library)
 JOB = "job.pkl"
 RETRY = 4                 # the child's exit status when it was short of resources (tried again later)
 _children: set[subprocess.Popen] = set()
@@ -94,8 +95,17 @@ def sized(payload: bytes) -> bytes:
     return payload
 
 
+def _kept(names: list[str]) -> list[str]:
+    """The files of a compile's work directory that the cache keeps: the library alone where there is one."""
+    skip = {JOB, PACKAGE} if LIBRARY in names else {JOB}
+    return sorted(n for n in names if n not in skip)
+
+
 def load_plain(workdir: str) -> Callable:
     """The package of a plain job: a list of input tensors to a list of output tensors."""
+    library = os.path.join(workdir, LIBRARY)
+    if os.path.exists(library):
+        return internals.aoti_runner(library).run
     return internals.aoti_loader(os.path.join(workdir, PACKAGE)).run
 
 
@@ -178,7 +188,7 @@ class Compile:
                     if self.key is not None:
                         from . import cache
 
-                        cache.store(self.key, workdir, sorted(n for n in os.listdir(workdir) if n != JOB))
+                        cache.store(self.key, workdir, _kept(os.listdir(workdir)))
                     return run, None, False
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -303,6 +313,7 @@ def _compile(workdir: str) -> int:
             return head(*inputs)
 
     internals.aoti_package(Step(), args, os.path.join(workdir, PACKAGE), job["options"])
+    internals.aoti_library(os.path.join(workdir, PACKAGE), os.path.join(workdir, LIBRARY))
     print(json.dumps({"ok": True}))
     return 0
 

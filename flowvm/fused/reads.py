@@ -166,6 +166,8 @@ class _State:
                 *(depth() for depth in internals.mode_depths()))
 
     def source(self, ns: dict) -> list[str]:
+        import torch
+
         ns["_state_modes"] = internals.mode_depths()
         ns["_state_mkldnn"] = internals.mkldnn_enabled()
         parts = [f"_state_modes[0]() == {self.values[-2]}", f"_state_modes[1]() == {self.values[-1]}",

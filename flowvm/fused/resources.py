@@ -145,31 +145,34 @@ def sweep(force: bool = False) -> list[str]:
         return []
     _swept.append(os.getpid())
     root = tempfile.gettempdir()
-    removed = []
     try:
         names = os.listdir(root)
     except OSError:
-        return removed
-    uid = os.getuid() if hasattr(os, "getuid") else None
+        return []
+    removed = []
     for name in names:
-        if not name.startswith(WORKDIR_PREFIX):
-            continue
         path = os.path.join(root, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if not os.path.isdir(path) or os.path.islink(path) or uid is not None and st.st_uid != uid:
-            continue
-        match = _NAMED.match(name)
-        pid = int(match.group(1)) if match else None
-        if pid == os.getpid():
-            continue
-        old = time.time() - st.st_mtime > STALE_SECONDS
-        if old or pid is not None and not _alive(pid):
+        if name.startswith(WORKDIR_PREFIX) and _abandoned(path, name):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def _abandoned(path: str, name: str) -> bool:
+    """Whether the work directory at path (named name) is this user's, a real directory, and of a program
+    that no longer runs or older than any compile."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    if not os.path.isdir(path) or os.path.islink(path) or uid is not None and st.st_uid != uid:
+        return False
+    match = _NAMED.match(name)
+    pid = int(match.group(1)) if match else None
+    if pid == os.getpid():
+        return False
+    return time.time() - st.st_mtime > STALE_SECONDS or pid is not None and not _alive(pid)
 
 
 def _alive(pid: int) -> bool:

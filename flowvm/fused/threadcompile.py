@@ -70,8 +70,6 @@ class ThreadCompile:
         """The backend given to torch.compile: the settings' backend, telling ``_traced`` when the
         real tensors have been read (see _start_compile), stopping the warm-up call before it runs
         anything, and counting the calls that enter the compiled code."""
-        import torch
-
         s = self.settings
         runtime = self
         traced_at_entry = True  # a backend given the graph reads no more real tensors ("eager", most callables)

@@ -1,16 +1,12 @@
 """The default process pool where SPAWN fragments run unless told otherwise, and what it takes to run it.
 
-``None`` as a SPAWN's executor is one local process pool shared by all
-SPAWNs of this process, created on first use (``forkserver`` start method
-where there is one, else ``spawn``: never ``fork``, which is unsafe with
-threads around), one worker per available core, its workers killed at
-interpreter exit.  It starts in a background thread
-(``start_default_executor``), all its workers at once, when a run holding a
-SPAWN on it starts (``flowvm.processes.named.start_ahead``) or at the
-SPAWN's first step, whose steps wait for it without blocking their caller.
-A fragment running in it that is abandoned retires the pool (the next SPAWN
-gets a fresh one).  Executors given by instance or by name:
-flowvm/processes/named.py.
+``None`` as a SPAWN's executor is one local process pool shared by all SPAWNs of this process, created on
+first use (``forkserver`` start method where there is one, else ``spawn``: never ``fork``, which is unsafe
+with threads around), one worker per available core, its workers killed at interpreter exit.  It starts in a
+background thread (``start_default_executor``), all its workers at once, when a run holding a SPAWN on it
+starts (``flowvm.processes.named.start_ahead``) or at the SPAWN's first step, whose steps wait for it without
+blocking their caller.  A fragment running in it that is abandoned retires the pool (the next SPAWN gets a
+fresh one).  Executors given by instance or by name: flowvm/processes/named.py.
 """
 
 from __future__ import annotations

@@ -138,14 +138,15 @@ def _chain(n=30):
     return REPEAT(n, body), reg
 
 
-def test_an_entry_that_does_not_load_is_ignored_and_evicted(cache_dir, monkeypatch):
+@pytest.mark.parametrize("damaged", [outofprocess.PACKAGE, outofprocess.LIBRARY])
+def test_an_entry_that_does_not_load_is_ignored_and_evicted(cache_dir, monkeypatch, damaged):
     prog, reg = _chain()
     fast = fuse_torch(prog)  # the defaults: nothing would compile in 30 executions
     rt = fast.body.runtime()
     key = jobs.describe(rt.el, rt.generated, rt.settings.options, (reg["x"],)).key
     (cache_dir / key).mkdir(parents=True)
     cache.add_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)))  # as a compile that stored it does
-    (cache_dir / key / outofprocess.PACKAGE).write_bytes(b"not a package")
+    (cache_dir / key / damaged).write_bytes(b"not a package")
     fast.run()
     assert not rt.cached and rt.hits == 0 and not (cache_dir / key).exists()
     assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
@@ -209,7 +210,9 @@ def test_a_second_run_of_a_program_starts_with_its_step_compiled_from_the_cache(
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     first, second = runs
     assert first["hits"] > 0 and first["refused"] is None and not first["cached"]
-    assert len([n for n in os.listdir(cache_dir) if n != cache.HINTS]) == 1  # the package, stored
+    entries = [n for n in os.listdir(cache_dir) if n != cache.HINTS]
+    assert len(entries) == 1  # the package, stored: its library alone (a CPU step holds no weights)
+    assert sorted(os.listdir(cache_dir / entries[0])) == sorted([outofprocess.LIBRARY, cache.DECISION])
     assert len(os.listdir(cache_dir / cache.HINTS)) == 1  # and its hint
     assert second["cached"] and second["refused"] is None and second["close"]
     assert second["early"] >= 1 and second["hits"] > 100  # compiled from its first executions (verified, timed)
@@ -291,3 +294,31 @@ def test_pickling_a_step_for_its_key_does_not_search_the_modules_for_its_generat
     rt = fuse_torch(prog).body.runtime()
     outofprocess.job_payload(rt.generated.head, (reg["x"],), {})
     assert searched == []
+
+
+@pytest.mark.parametrize("extra, device, alone", [
+    (None, "cpu", True),
+    ("step/data/constants/weights.bin", "cpu", False),  # weights: the package is loaded whole
+    ("step/data/aotinductor/model/second.wrapper.so", "cpu", False),
+    (None, "cuda", False),
+])
+def test_a_package_is_kept_as_its_library_alone_only_when_that_is_all_it_needs(tmp_path, extra, device, alone):
+    import zipfile
+
+    from flowvm.fused import internals
+
+    model = "step/data/aotinductor/model/"
+    names = {"step/archive_format": b"pt2", "step/byteorder": b"little", "step/.data/version": b"1",
+             model + "w.wrapper.cpp": b"// source", model + "w.wrapper.so": b"\x7fELF library",
+             model + "w.wrapper_metadata.json": json.dumps({"AOTI_DEVICE_KEY": device}).encode()}
+    if extra:
+        names[extra] = b"more"
+    with zipfile.ZipFile(tmp_path / "step.pt2", "w") as z:
+        for name, data in names.items():
+            z.writestr(name, data)
+    assert internals.aoti_library(str(tmp_path / "step.pt2"), str(tmp_path / "step.so")) is alone
+    assert (tmp_path / "step.so").exists() is alone
+    if alone:
+        assert (tmp_path / "step.so").read_bytes() == b"\x7fELF library"
+    kept = outofprocess._kept(os.listdir(tmp_path) + ["job.pkl"])
+    assert kept == (["step.so"] if alone else ["step.pt2"])
