@@ -14,7 +14,8 @@ wheel=$(ls dist/*.whl)
 # torch is pinned so that pip takes the local CPU build on this project's machines; uv then installs the test
 # requirements next to it (fetching them in parallel: pip takes minutes for them), or pip where uv cannot.
 .venv/bin/pip install torch==2.13.0
-.venv/bin/uv pip install -q --python .venv/bin/python "$wheel[test]" || .venv/bin/pip install "$wheel[test]"
+.venv/bin/uv pip install -q --python .venv/bin/python torch==2.13.0 "$wheel[test]" ||
+    .venv/bin/pip install torch==2.13.0 "$wheel[test]"  # torch==2.13.0: never replaced by a requirement's
 .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.13.0')"  # still pinned
 .venv/bin/pip install --force-reinstall --no-deps "$wheel"  # the wheel just built, even at an unchanged version
 # -P: the checkout (the current directory) is not put on sys.path, so `import flowvm` is the installed wheel,
