@@ -1,5 +1,6 @@
 import os
 import sys
+from pathlib import Path
 
 # The persistent cache of compiled packages (flowvm/fused/cache.py) is off for the tests, and for the programs
 # they start, unless a test gives its own directory: a package cached by one test must not change what
@@ -28,6 +29,6 @@ def pytest_collection_modifyitems(config, items):
     import pytest
 
     for item in items:
-        parts = item.path.relative_to(HERE).parts
+        parts = item.path.parts[len(Path(HERE).parts):] if Path(HERE) in item.path.parents else ()
         if parts and parts[0] in SERIAL_FOLDERS:
             item.add_marker(pytest.mark.serial)
