@@ -38,11 +38,17 @@ fi
 # test_cross_python.py resumes runs under other Python versions, not other torches: the main suite runs it.
 # FLOWVM_TORCH_TESTS: the test folders (default: core, persist and fused).
 tests=${FLOWVM_TORCH_TESTS:-tests/test_package.py tests/base tests/program tests/machine tests/persist tests/fused}
-# The tests that can share the machine on two workers, then the serial ones (tests/conftest.py) alone.
+# The tests that can share the machine on two workers, then the serial ones (tests/conftest.py) alone, but
+# for the heavy ones (half a minute or more of child compiles each): the pinned torch runs those
+# (scripts/test.sh), and FLOWVM_TORCH_HEAVY=1 runs them here too.
 run() {
     # shellcheck disable=SC2086
     timeout 1200 "$venv/bin/python" -P -m pytest -q -rs $tests --ignore=tests/persist/test_cross_python.py "$@" ||
         [ $? -eq 5 ]  # 5: arguments that leave one part with no test
 }
 run -m "not serial" -n "${FLOWVM_TEST_WORKERS:-2}" --dist loadfile "$@"
-run -m serial "$@"
+if [ "${FLOWVM_TORCH_HEAVY:-0}" = 1 ]; then
+    run -m serial "$@"
+else
+    run -m "serial and not heavy" "$@"
+fi

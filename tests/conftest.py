@@ -23,6 +23,8 @@ SERIAL_FOLDERS = ("fused", "distributed")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "serial: run alone, not beside other tests (tests/fused, tests/distributed)")
+    config.addinivalue_line("markers", "heavy: a test of half a minute or more of child compiles, run once per CI "
+                                       "(on the pinned torch: scripts/test_torch.sh leaves it out)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,14 +2,17 @@
 of its own (no system site-packages), where the features the extra is for work and the others say, in one
 line, which extra to install.
 
-The wheel is built once per test session and the venvs are made side by side (pip's cache keeps that to a
-few seconds each after the first time); a venv lives under the session's temporary directory.
+The wheel is built once per test session and the venvs are made side by side; a venv lives under the session's
+temporary directory.  uv installs the extras where it is installed next to the tests' Python (scripts/test.sh
+puts it there): it reads the same metadata pip does, and fetches in parallel what pip fetches one by one.
+pip installs the torch extra, pinned, so that it takes the local CPU build (uv does not look there).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-INSTALL_TIMEOUT = 600  # seconds for one venv's pip install (pip's cache makes it far less)
+INSTALL_TIMEOUT = 600  # seconds for one venv's install
 # What each extra's venv installs besides the wheel: torch pinned as everywhere in this project's tests
 # (scripts/test.sh), so that pip takes the local CPU build.
 PINS = {"torch": ["torch==2.13.0"]}
@@ -41,10 +44,14 @@ def _make_venv(root: Path, wheel: Path, extra: str) -> Path:
         raise AssertionError(f"{where} sees the system site-packages")
     wanted = f"{wheel}[{extra}]" if extra else str(wheel)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_NO_CACHE_DIR")}
-    done = subprocess.run([str(where / "bin" / "pip"), "install", "-q", *PINS.get(extra, []), wanted],
-                          capture_output=True, text=True, timeout=INSTALL_TIMEOUT, env=env)
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
+    if uv is not None and extra not in PINS:
+        command = [uv, "pip", "install", "-q", "--python", str(where / "bin" / "python"), wanted]
+    else:
+        command = [str(where / "bin" / "pip"), "install", "-q", *PINS.get(extra, []), wanted]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT, env=env)
     if done.returncode != 0:
-        raise AssertionError(f"pip install {wanted} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise AssertionError(f"{'uv pip' if command[0] == uv else 'pip'} install {wanted} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return where
 
 

@@ -212,6 +212,7 @@ def test_the_child_leaves_code_with_effects_beyond_one_graph_to_the_thread_and_s
     assert not any(f.suffix == ".pt2" for f in tmp_path.iterdir())
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(400)
 def test_a_model_of_the_users_trains_on_its_package_and_runs_eagerly_while_a_global_it_reads_differs():
     """A script's own model (its classes and functions pickled by value), with BatchNorm and dropout, trained

@@ -9,6 +9,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -56,6 +57,7 @@ def test_tracing_on_the_compile_thread_leaves_the_programs_module_calls_alone():
     assert len(traced) == 300 and drv.steps > 0
 
 
+@pytest.mark.heavy
 def test_a_background_compile_leaves_the_programs_random_generators_and_settings_alone():
     """A real inductor compile of a training step (forward and backward, its disk cache off so that it
     takes a while) in the background while the program runs eagerly and draws from torch's, Python's and

@@ -243,6 +243,7 @@ def test_the_files_of_a_killed_program_are_removed_by_the_next_programs_first_co
     assert not [n for n in os.listdir(tmp_path) if n.startswith(mine)]
 
 
+@pytest.mark.heavy
 def test_two_programs_optimizing_at_once_queue_for_one_slot_and_both_end_compiled(tmp_path):
     # one slot for the whole machine; the first child of program "a" finds no resources (injected) and is
     # tried again: both programs end with their step compiled, neither reports a failure

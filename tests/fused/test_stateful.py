@@ -142,6 +142,7 @@ def test_a_training_step_with_modules_compiles_in_a_child_process_and_trains_as_
     assert "flowvm-compile" not in got["threads"]  # the compile thread never ran
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(400)
 def test_a_transformer_layer_trained_with_adam_on_the_package_matches_eager():
     """MultiheadAttention, LayerNorm and dropout in training, compiled in a child process."""
