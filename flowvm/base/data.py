@@ -20,7 +20,9 @@ The rest is configuration or cache: ``transform(sample, rng)`` draws from a
 generator seeded with ``(seed, epoch, index)`` (batching.py); ``workers=N``
 makes batches ahead in worker processes (workers.py), served in the order
 ``workers=0`` serves them, and dropped when the object is pickled; ``rank``
-and ``world_size`` take every world_size-th entry of each epoch's order;
+and ``world_size`` share each global batch (``batch_size`` samples per rank of
+the world the object was made in, consecutive in the epoch's order) out among
+the ranks, rank r taking every world_size-th of them from r;
 ``.npy`` files are memory-mapped shards (sources.py); DataLoaders in a
 program are handled by loaders.py (``Batches.next_from``).
 
@@ -102,7 +104,12 @@ class Batches:
     them.  Batches in flight are a cache: the state stays three integers.
 
     ``rank`` and ``world_size`` (default: torch.distributed's when initialised)
-    shard each epoch's order: rank r takes every world_size-th sample from r.
+    shard each epoch: its order is cut into global batches of ``batch_size *
+    world_size`` samples, and rank r takes every world_size-th sample of each
+    from r.  A run resumed on another number of ranks keeps the global batch
+    (each rank then takes about global/world_size samples a batch), so every
+    rank serves ``len(batches)`` batches an epoch, as many as the world that
+    made the object: loops counted by it stay right.
     """
 
     transform = None  # defaults of the options later versions added (objects pickled before them)
@@ -111,7 +118,7 @@ class Batches:
     start_method = None
     rank = 0
     world_size = 1
-    start = 0  # samples of the current epoch taken by a world of another size, before a resume (0 otherwise)
+    global_batch_size = None  # objects saved before it was kept: batch_size * world_size
 
     def __init__(self, source: Any, batch_size: int = 32, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, collate: Callable[[list], Any] | None = None, *,
@@ -132,6 +139,7 @@ class Batches:
             raise TypeError(f"Batches: start_method must be 'fork', 'forkserver' or 'spawn', got {start_method!r:.40}")
         self.start_method = start_method
         self.rank, self.world_size = _ranks(rank, world_size)
+        self.global_batch_size = self.batch_size * self.world_size
         source = self._open_files(source)
         self.kind, self.size = self._inspect(source)
         self.source = source
@@ -141,10 +149,11 @@ class Batches:
         self.transform = transform
         if self.size == 0:
             raise ValueError("Batches: source holds no samples (an empty array, tensor or dataset)")
-        if self.count < (batch_size if drop_last else 1):
-            raise ValueError(f"Batches: {'drop_last with ' if drop_last else ''}batch_size={batch_size} but only "
-                             f"{self.count} samples{' for rank %d' % self.rank if self.world_size > 1 else ''}: "
+        if len(self) == 0:  # drop_last, and fewer samples than a batch of all ranks
+            ranks = f" for each of {self.world_size} ranks" if self.world_size > 1 else ""
+            raise ValueError(f"Batches: drop_last with batch_size={batch_size}{ranks} but only {self.size} samples: "
                              "every epoch would be empty")
+        self.check_shards()
         self.epoch = 0
         self.position = 0
         self._check_workers()
@@ -200,14 +209,41 @@ class Batches:
 
     # ------------------------------------------------------------------ state
     @property
+    def global_batch(self) -> int:
+        """The samples all ranks take together in one batch: batch_size times the ranks of the world that
+        made this object, whatever the world now."""
+        return self.global_batch_size or self.batch_size * self.world_size
+
+    @property
+    def per_rank(self) -> int:
+        """The samples this rank takes of each full global batch."""
+        return len(range(self.rank, self.global_batch, self.world_size))
+
+    @property
     def count(self) -> int:
         """The samples of an epoch this rank serves."""
-        return len(range(self.rank, self.size - self.start, self.world_size))
+        full, rest = divmod(self.size, self.global_batch)
+        return full * self.per_rank + (0 if self.drop_last else len(range(self.rank, rest, self.world_size)))
 
     def __len__(self) -> int:
-        """Batches per epoch (of this rank)."""
-        full, rest = divmod(self.count, self.batch_size)
+        """Batches per epoch, the same on every rank."""
+        full, rest = divmod(self.size, self.global_batch)
         return full + (1 if rest and not self.drop_last else 0)
+
+    def check_shards(self, where: str = "Batches") -> None:
+        """Raise ValueError when some rank would get an empty batch: more ranks than samples in a global
+        batch, or in the last one (which drop_last leaves out)."""
+        if self.world_size == 1:
+            return
+        rest = 0 if self.drop_last else self.size % self.global_batch
+        short = self.global_batch if self.global_batch < self.world_size else rest if 0 < rest < self.world_size \
+            else 0
+        if short:
+            raise ValueError(
+                f"{where}: {'a' if short == self.global_batch else 'the last'} batch of all {self.world_size} ranks "
+                f"together holds {short} sample{'s' if short > 1 else ''} ({self.size} samples in global batches "
+                f"of {self.global_batch}), so rank {short} and above would take an empty batch: use "
+                "drop_last=True, or a batch size that leaves every rank a sample of the last batch")
 
     @property
     def batches_per_epoch(self) -> int:
@@ -241,10 +277,10 @@ class Batches:
 
     def order(self, epoch: int | None = None) -> np.ndarray:
         """The sample indices of an epoch (default: the current one) in the order this rank serves them:
-        a permutation seeded with (seed, epoch), every world_size-th entry from rank on."""
+        a permutation seeded with (seed, epoch); of each global batch of it, every world_size-th entry
+        from rank on."""
         epoch = self.epoch if epoch is None else epoch
-        skip = self.start if epoch == self.epoch else 0
-        key = (self.seed, epoch, self.shuffle, self.rank, self.world_size, skip)
+        key = (self.seed, epoch, self.shuffle, self.rank, self.world_size, self.global_batch)
         cached = self.__dict__.get("_order")
         if cached is not None and key in cached:
             return cached[key]
@@ -252,7 +288,9 @@ class Batches:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.size)
         else:
             order = np.arange(self.size)
-        order = order[skip + self.rank::self.world_size] if self.world_size > 1 or skip else order
+        if self.world_size > 1:
+            at = np.arange(self.size) % self.global_batch
+            order = order[at % self.world_size == self.rank]
         cached = {k: v for k, v in (cached or {}).items() if k[1] >= epoch - 1}  # this epoch and its neighbours
         cached[key] = order
         self.__dict__["_order"] = cached
@@ -278,8 +316,8 @@ class Batches:
     def indices(self, epoch: int | None = None, position: int | None = None) -> np.ndarray:
         """The sample indices of a batch (default: the one next_batch() serves next, without moving on)."""
         position = self.position if position is None else position
-        start = position * self.batch_size
-        return self.order(epoch)[start: start + self.batch_size]
+        per = self.per_rank
+        return self.order(epoch)[position * per: (position + 1) * per]
 
     def next_batch(self) -> Any:
         """The next minibatch; moves on, rolling over to the next epoch after its last batch.  An error
@@ -294,7 +332,6 @@ class Batches:
         if self.position >= len(self):
             self.epoch += 1
             self.position = 0
-            self.__dict__.pop("start", None)  # a resumed epoch's offset ends with it
         return batch
 
     def gather(self, idx: np.ndarray, epoch: int | None = None) -> Any:

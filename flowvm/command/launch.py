@@ -11,7 +11,7 @@ report, records the history, writes TensorBoard scalars and ``--output``.
 
 A rank restarted by the agent finds the checkpoint its run saved (same run id) and resumes from it.
 ``flowvm resume LOCATION`` of a distributed checkpoint launches as many ranks as saved it, unless
-``--nproc`` asks for another number (the epoch's remaining samples are then shared out anew).
+``--nproc`` asks for another number (each remaining global batch is then shared out among the new ranks).
 """
 
 from __future__ import annotations

@@ -164,8 +164,8 @@ def _local_registers(drv) -> bytes:
 def rank_part(drv) -> dict:
     """This rank's own state: its random generators and settings (what a copy resumes with), the position
     of each Batches of the driver, and its registers of plain data that differ from rank 0's."""
-    batches = [dict(b.state_dict(), start=int(getattr(b, "start", 0)), batch_size=b.batch_size, size=b.size,
-                    rank=b.rank, world_size=b.world_size) for b in find_batches(drv)]
+    batches = [dict(b.state_dict(), batch_size=b.batch_size, size=b.size,
+                    rank=b.rank, world_size=b.world_size, global_batch=b.global_batch) for b in find_batches(drv)]
     return {"rank": group.rank(), "world_size": max(group.world_size(), 1), "steps": drv.steps,
             "environment": drv.snapshot().environment, "batches": batches, "registers": _local_registers(drv)}
 
@@ -178,7 +178,6 @@ def apply_part(drv, part: dict) -> None:
                                               f"state has {len(part['batches'])}")
     for b, state in zip(found, part["batches"]):
         b.rank, b.world_size = group.rank(), max(group.world_size(), 1)
-        b.start = state["start"]
         b.load_state_dict(state)
     if part.get("registers"):
         drv.registers.update(Unpickler(io.BytesIO(part["registers"])).load())
@@ -196,22 +195,26 @@ def _environment(env: dict | None) -> dict | None:
 
 
 def reshard(drv, parts: list[dict]) -> None:
-    """Give a driver loaded from rank 0's file the data positions of a world of another size: the samples
-    of the current epoch that the saved ranks had not taken yet, shared out anew (no sample skipped or
-    taken twice; the new shards differ from an uninterrupted run's).  The random generators are rank 0's."""
+    """Give a driver loaded from rank 0's file the data positions of a world of another size.  Each Batches
+    keeps its global batch (flowvm/base/data.py): the saved ranks were all at one position of one epoch,
+    the global batches taken so far, and the new ranks share each later global batch out among them, so no
+    sample is skipped or taken twice and every loop counted by ``len(batches)`` keeps its count.  The shards
+    and the batches' sizes differ from an uninterrupted run's.  The random generators are rank 0's."""
     found = find_batches(drv)
+    rank, world = group.rank(), max(group.world_size(), 1)
     for i, b in enumerate(found):
         states = [p["batches"][i] for p in parts]
-        epochs = {(s["epoch"], s["position"], s["start"]) for s in states}
-        if len(epochs) != 1:
+        at = {(s["epoch"], s["position"]) for s in states}
+        if len(at) != 1:
             raise CheckpointError("<rank state>", f"the saved ranks' Batches #{i} are at different positions "
-                                                  f"{sorted(epochs)}: cannot share its epoch out anew")
-        epoch, position, start = epochs.pop()
-        taken = start + position * b.batch_size * states[0]["world_size"]
-        b.rank, b.world_size = group.rank(), max(group.world_size(), 1)
-        b.seed, b.epoch, b.position, b.start = states[0]["seed"], epoch, 0, taken
-        if taken >= b.size or b.count == 0:
-            b.epoch, b.start = epoch + 1, 0
+                                                  f"{sorted(at)}: cannot share its epoch out anew")
+        b.epoch, b.position = at.pop()
+        b.seed, b.rank, b.world_size = states[0]["seed"], rank, world
+        b.global_batch_size = states[0].get("global_batch") or states[0]["batch_size"] * states[0]["world_size"]
+        try:
+            b.check_shards(f"resuming on {world} ranks")
+        except ValueError as err:
+            raise CheckpointError("<rank state>", f"Batches #{i}: {err}") from None
     drv.saved_environment = _environment(parts[0]["environment"])
 
 
@@ -330,7 +333,7 @@ def _read_part(location, manifest: dict, r: int) -> dict:
 
 def load(location: Path | str, key: str | bytes | None = None, restore_settings: bool = True):
     """This rank's driver from the last complete checkpoint at location: rank 0's run with this rank's own
-    state (same world size), or with the current epoch's remaining samples shared out anew (another)."""
+    state (same world size), or with each remaining global batch shared out among the new ranks (another)."""
     manifest = read_manifest(location, key)
     drv = checkpoint.load(join(location, f"{manifest['folder']}/shared.ckpt"), key=key,
                           restore_settings=restore_settings)

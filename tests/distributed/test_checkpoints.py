@@ -119,15 +119,28 @@ def test_checkpoints_on_s3(s3_bucket):
 def test_a_driver_resharded_for_one_rank_takes_the_rest_of_the_epoch_once():
     two = [Batches(np.arange(23), batch_size=3, seed=4, rank=r, world_size=2) for r in range(2)]
     taken = [x for b in two for x in b.next_batch().tolist() + b.next_batch().tolist()]
-    parts = [{"batches": [dict(b.state_dict(), start=0, batch_size=3, size=23, rank=r, world_size=2)],
+    parts = [{"batches": [dict(b.state_dict(), batch_size=3, size=23, rank=r, world_size=2, global_batch=6)],
               "environment": None} for r, b in enumerate(two)]
     data = Batches(np.arange(23), batch_size=3, seed=4, rank=0, world_size=2)
     drv = CALL(data.next_batch).start()
     checkpoints.reshard(drv, parts)  # outside a process group: a world of one
     (found,) = checkpoints.find_batches(drv)
-    assert found is data and (found.rank, found.world_size, found.start, found.position) == (0, 1, 12, 0)
+    assert found is data and (found.rank, found.world_size, found.position, found.global_batch) == (0, 1, 2, 6)
+    assert len(data) == len(two[0]) == 4  # as many batches an epoch: loops counted by len() stay right
     rest = []
     while data.epoch == 0:
-        rest += data.next_batch().tolist()
-    assert sorted(taken + rest) == list(range(23))  # no sample skipped or taken twice
-    assert data.start == 0 and len(data) == 8  # the next epoch is a whole one
+        rest.append(data.next_batch().tolist())
+    assert [len(b) for b in rest] == [6, 5]  # the global batches the two ranks took together
+    assert sorted(taken + sum(rest, [])) == list(range(23))  # no sample skipped or taken twice
+    assert data.position == 0 and len(data) == 4  # the next epoch is a whole one
+    assert sorted(sum((data.next_batch().tolist() for _ in range(4)), [])) == list(range(23))
+
+
+def test_more_ranks_than_a_global_batch_holds_are_refused_naming_the_ranks_left_without_a_sample():
+    b = Batches(np.arange(23), batch_size=3, seed=4, rank=0, world_size=2)
+    b.world_size = 7  # as a resume on 7 ranks sets it (reshard): a global batch of 6 leaves the seventh nothing
+    with pytest.raises(ValueError, match=r"a batch of all 7 ranks together holds 6 samples \(23 samples in global "
+                                         r"batches of 6\), so rank 6 and above would take an empty batch"):
+        b.check_shards()
+
+

@@ -125,8 +125,11 @@ def test_resume_with_another_number_of_ranks_skips_and_repeats_no_sample(tmp_pat
         for line in path.read_text().splitlines():
             epoch, *ids = map(int, line.split())
             seen.setdefault(epoch, []).extend(ids)
-    assert sorted(seen[0]) == list(range(96))  # every sample of the cut epoch once
-    assert len(seen[1]) == len(set(seen[1])) > 0
+    # every sample of every epoch once, the cut one too: the resumed rank took the rest of the two ranks'
+    # global batches, as many as the program's loops (counted by len(batches) when two ranks built it) take
+    assert sorted(seen) == [0, 1, 2]
+    for epoch in range(3):
+        assert sorted(seen[epoch]) == list(range(96)), epoch
 
 
 def test_the_bundled_mlp_trains_on_two_ranks(tmp_path):
@@ -154,9 +157,25 @@ def test_the_users_data_reaches_every_rank_and_is_recorded_as_given(tmp_path):
     assert meta["data"] == str(data.resolve()) and not any(s.startswith("data=") for s in meta["sets"])
 
 
-def test_ranks_whose_programs_take_different_steps_are_refused_before_they_run():
-    # 97 samples: rank 0 serves 49 (7 batches of 8), rank 1 48 (6): the programs' loops differ
+def test_batches_whose_last_batch_leaves_a_rank_without_a_sample_are_refused_before_the_run():
+    # 97 samples in global batches of 16 (8 a rank): the last holds one sample, none for rank 1
     done = flowvm("run", PROG, "--nproc", "2", "--set", "samples=97")
     assert done.returncode == 1
-    assert "the ranks' programs take different numbers of steps (55 to 64" in done.stderr, done.stderr[-3000:]
+    assert "the last batch of all 2 ranks together holds 1 sample (97 samples in global batches of 16), so rank 1 " \
+           "and above would take an empty batch" in done.stderr, done.stderr[-3000:]
     assert "drop_last=True" in done.stderr
+
+
+def test_batches_of_unequal_last_shards_train_on_every_sample_of_every_epoch(tmp_path):
+    # 98 samples: the last global batch holds 2, one a rank; both ranks take 7 batches an epoch
+    log = tmp_path / "log"
+    log.mkdir()
+    done = flowvm("run", PROG, "--nproc", "2", "--set", "samples=98", "--set", f"log={str(log)!r}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {r: (log / f"rank-{r}.txt").read_text().splitlines() for r in (0, 1)}
+    assert len(lines[0]) == len(lines[1]) == 3 * 7
+    for epoch in range(3):
+        ids = [int(i) for r in (0, 1) for line in lines[r] if int(line.split()[0]) == epoch for i in line.split()[1:]]
+        assert sorted(ids) == list(range(98)), epoch
+
+
