@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["BatchMaker", "sample_rng", "stack_items", "is_array", "length", "take"]
+__all__ = ["BatchMaker", "sample_rng", "stack_items", "is_array", "length", "take", "inspect_source"]
 
 
 def is_array(obj: Any) -> bool:
@@ -31,6 +31,35 @@ def length(arr: Any, what: str) -> int:
         raise ValueError(f"Batches: {what} is a 0-dimensional {type(arr).__name__}; it needs a first "
                          "(sample) dimension")
     return int(shape[0])
+
+
+def inspect_source(source: Any) -> tuple[str, int]:
+    """A Batches source's kind ("array", "tuple", "dict" or "dataset") and sample count; a clear error for
+    anything else."""
+    if is_array(source):
+        return "array", length(source, "the source")
+    if isinstance(source, (tuple, dict)):
+        items = list(source.items()) if isinstance(source, dict) else list(enumerate(source))
+        if not items:
+            raise ValueError(f"Batches: the source is an empty {type(source).__name__}")
+        sizes = {}
+        for key, arr in items:
+            if not is_array(arr):
+                raise TypeError(f"Batches: source item {key!r} must be a numpy array or torch tensor, got "
+                                f"{type(arr).__name__}")
+            sizes[key] = length(arr, f"source item {key!r}")
+        if len(set(sizes.values())) > 1:
+            listed = ", ".join(f"{k!r}: {n}" for k, n in sizes.items())
+            raise ValueError(f"Batches: the source's arrays differ in length ({listed})")
+        return ("dict" if isinstance(source, dict) else "tuple"), next(iter(sizes.values()))
+    torch_data = sys.modules.get("torch.utils.data")
+    if torch_data is not None and isinstance(source, torch_data.IterableDataset):
+        raise TypeError(f"Batches: {type(source).__name__} is an IterableDataset, whose samples cannot be "
+                        "fetched by index; give a map-style dataset (__len__ and __getitem__)")
+    if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
+        return "dataset", len(source)
+    raise TypeError(f"Batches: source must be an array, a tensor, a tuple or dict of them, .npy files or a "
+                    f"dataset with __len__ and __getitem__, got {type(source).__name__}")
 
 
 def take(arr: Any, idx: np.ndarray) -> Any:

@@ -54,8 +54,8 @@ import numpy as np
 
 from ..pickled import stable
 from .loaders import next_from, restore_loader, restore_with
-from .batching import BatchMaker, is_array as _is_array, length as _length, sample_rng, stack_items
-from .sources import NpyShards, is_shard_list, rebuild_with
+from .batching import BatchMaker, inspect_source, sample_rng, stack_items
+from .sources import NpyShards, open_files, rebuild_with
 from .workers import WorkerError, WorkerPool
 
 __all__ = ["Batches", "WorkerError", "sample_rng", "stack_items"]
@@ -140,8 +140,8 @@ class Batches:
         self.start_method = start_method
         self.rank, self.world_size = _ranks(rank, world_size)
         self.global_batch_size = self.batch_size * self.world_size
-        source = self._open_files(source)
-        self.kind, self.size = self._inspect(source)
+        source = open_files(source)
+        self.kind, self.size = inspect_source(source)
         self.source = source
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
@@ -158,43 +158,6 @@ class Batches:
         self.position = 0
         self._check_workers()
         self.start_workers()
-
-    @staticmethod
-    def _open_files(source: Any) -> Any:
-        if is_shard_list(source):
-            return NpyShards(source)
-        if isinstance(source, tuple):
-            return tuple(NpyShards(s) if is_shard_list(s) else s for s in source)
-        if isinstance(source, dict):
-            return {k: NpyShards(s) if is_shard_list(s) else s for k, s in source.items()}
-        return source
-
-    @staticmethod
-    def _inspect(source: Any) -> tuple[str, int]:
-        if _is_array(source):
-            return "array", _length(source, "the source")
-        if isinstance(source, (tuple, dict)):
-            items = list(source.items()) if isinstance(source, dict) else list(enumerate(source))
-            if not items:
-                raise ValueError(f"Batches: the source is an empty {type(source).__name__}")
-            sizes = {}
-            for key, arr in items:
-                if not _is_array(arr):
-                    raise TypeError(f"Batches: source item {key!r} must be a numpy array or torch tensor, got "
-                                    f"{type(arr).__name__}")
-                sizes[key] = _length(arr, f"source item {key!r}")
-            if len(set(sizes.values())) > 1:
-                listed = ", ".join(f"{k!r}: {n}" for k, n in sizes.items())
-                raise ValueError(f"Batches: the source's arrays differ in length ({listed})")
-            return ("dict" if isinstance(source, dict) else "tuple"), next(iter(sizes.values()))
-        torch_data = sys.modules.get("torch.utils.data")
-        if torch_data is not None and isinstance(source, torch_data.IterableDataset):
-            raise TypeError(f"Batches: {type(source).__name__} is an IterableDataset, whose samples cannot be "
-                            "fetched by index; give a map-style dataset (__len__ and __getitem__)")
-        if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
-            return "dataset", len(source)
-        raise TypeError(f"Batches: source must be an array, a tensor, a tuple or dict of them, .npy files or a "
-                        f"dataset with __len__ and __getitem__, got {type(source).__name__}")
 
     def _check_workers(self) -> None:
         if not self.workers:

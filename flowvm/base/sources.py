@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["NpyShards", "is_shard_list", "rebuild_with"]
+__all__ = ["NpyShards", "is_shard_list", "open_files", "rebuild_with"]
 
 
 def _is_url(path: str) -> bool:
@@ -123,3 +123,15 @@ class NpyShards:
 
     def __repr__(self) -> str:
         return f"<NpyShards: {len(self.paths)} .npy files, {self.shape[0]} rows of {self.dtype}{list(self.shape[1:])}>"
+
+
+def open_files(source: Any) -> Any:
+    """A Batches source with its .npy files (a path, a glob, a URL or a list of them, alone or as an item of
+    a tuple or dict) opened as shards; anything else as it is."""
+    if is_shard_list(source):
+        return NpyShards(source)
+    if isinstance(source, tuple):
+        return tuple(NpyShards(s) if is_shard_list(s) else s for s in source)
+    if isinstance(source, dict):
+        return {k: NpyShards(s) if is_shard_list(s) else s for k, s in source.items()}
+    return source

@@ -5,6 +5,8 @@ leave exactly the frames settling would (tests/machine/test_driver.py and the pr
 - ``repeat_seq``: a SEQ of simple leaves repeated by a REPEAT (``run()`` only).
 - ``repeat_woven``: either shape inside WEAVEs (``run()`` only), counting each step of the WEAVEs' turns.
 
+``repeat_seq`` and ``repeat_woven`` share one loop (``_loop``); ``repeat_leaf`` keeps its own, the tightest.
+
 The driver's ``step()`` has a one-step form of ``repeat_leaf`` inline, and ``_after_leaf`` moves to a simple
 next sibling in a SEQ directly.  Both loops stop at the step limit and, with a deadline, after the step
 that ends past it; a leaf that raises leaves the frames written back as the general path would, so that
@@ -70,38 +72,8 @@ def repeat_seq(drv, fs: tuple, limit, deadline: float | None = None) -> int:
     leaf of the last iteration; return the steps taken.  The frames are written back as the general
     path would leave them, also when a leaf raises (the next step retries it)."""
     rep, seq = fs
-    children = seq[0].elements
-    regs = drv.registers
-    leaves = [leaf_function(c, regs) for c in children]
-    last = len(leaves) - 1
-    i, n, pos, value = rep[REPEAT_I], rep[REPEAT_N], seq[SEQ_POS], rep[REPEAT_LAST]
-    counter = rep[0].counter
-    name = counter.name if counter is not None else None
-    budget = limit - drv.steps
-    ran = 0
-    timed = deadline is not None
-    try:
-        while ran < budget and (pos != last or i != n - 1):
-            if timed and ran and monotonic() >= deadline:
-                break
-            v = leaves[pos]()
-            ran += 1
-            if pos == last:  # the SEQ finished: its value is the iteration's
-                i += 1
-                value = v
-                if name is not None:
-                    regs[name] = i
-                pos = 0
-            else:
-                pos += 1
-    finally:
-        drv.steps += ran
-        if ran:
-            repeat_seq_counted(drv._stack, rep, seq, i, value, pos)
-            drv._leaf = leaves[pos]
-            # as settling would leave it: a SEQ just begun again counts as entered afresh
-            drv._fresh = len(drv._stack) - 2 if pos == 0 else None
-    return ran
+    leaves = [leaf_function(c, drv.registers) for c in seq[ELEMENT].elements]
+    return _loop(drv, None, rep, seq, leaves, seq[SEQ_POS], limit - drv.steps, deadline)[0]
 
 
 def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int:
@@ -115,24 +87,21 @@ def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int
         leaves, pos = [drv._leaf], 0
     else:
         leaves, pos = [leaf_function(c, drv.registers) for c in seq[ELEMENT].elements], seq[SEQ_POS]
-    # one WEAVE around: its active child's credit is counted in a local variable
-    loop = _in_one_weave if len(weaves) == 1 else _in_weaves
-    ran, passed = loop(drv, weaves, rep, seq, leaves, pos, limit - drv.steps, deadline)
+    ran, passed = _loop(drv, weaves, rep, seq, leaves, pos, limit - drv.steps, deadline)
     if passed:  # settle into the child whose turn it is, as the step that ended the turn would
         drv._fresh = None
         drv.settle_after_turn()
     return ran
 
 
-def _in_one_weave(drv, weaves: list, rep: list, seq: list | None, leaves: list, pos: int, budget, deadline):
-    """repeat_woven's loop inside one WEAVE: (steps taken, whether the turn passed to another child)."""
-    weave = weaves[0]
-    regs, stack, last = drv.registers, drv._stack, len(leaves) - 1
+def _loop(drv, weaves: list | None, rep: list, seq: list | None, leaves: list, pos: int, budget, deadline):
+    """The loop of repeat_seq and repeat_woven: the leaves (a SEQ's, or the REPEAT's one leaf) from pos on,
+    iteration after iteration of the REPEAT, inside the WEAVEs given (None: none).  Returns (steps taken,
+    whether a WEAVE's turn passed to another child: the frames are then settled before that turn)."""
+    regs, last = drv.registers, len(leaves) - 1
     i, n, value = rep[REPEAT_I], rep[REPEAT_N], rep[REPEAT_LAST]
-    counter = rep[ELEMENT].counter
-    name = counter.name if counter is not None else None
+    name, weave, left = _loop_state(rep, weaves)
     ran, passed, timed = 0, False, deadline is not None
-    left = turn_credit(weave)
     try:
         while ran < budget and (pos != last or i != n - 1):
             if timed and ran and monotonic() >= deadline:
@@ -147,60 +116,64 @@ def _in_one_weave(drv, weaves: list, rep: list, seq: list | None, leaves: list, 
                 pos = 0
             else:
                 pos += 1
-            left -= 1
-            if left >= 1:
+            if weaves is None:
                 continue
-            a = weave[WEAVE_ACTIVE]
-            j = end_turn(weave, left)  # the turn is used up: the next child, as frames.weave_pick picks it
-            left = turn_credit(weave)
-            if j != a:
-                repeat_counted(drv, rep, i, value)
-                _settled_before_turn(stack, seq, pos)
-                pass_turn(drv, weave, j)
-                passed = True
+            if weave is not None:
+                left -= 1
+                if left >= 1:
+                    continue
+                passed, left = _turn_of_one(drv, weave, left, rep, seq, i, value, pos)
+            elif turn_used(weaves):
+                passed = _turn_of_several(drv, weaves, rep, seq, i, value, pos)
+            if passed:
                 break
     finally:
         if not passed:
-            set_turn_credit(weave, left)
-            if ran:
-                _commit(drv, rep, seq, leaves, i, value, pos)
+            _left_on_the_path(drv, weave, left, ran, rep, seq, leaves, i, value, pos)
         drv.steps += ran
     return ran, passed
 
 
-def _in_weaves(drv, weaves: list, rep: list, seq: list | None, leaves: list, pos: int, budget, deadline):
-    """repeat_woven's loop inside several WEAVEs: (steps taken, whether a turn passed to another child)."""
-    regs, stack, last = drv.registers, drv._stack, len(leaves) - 1
-    i, n, value = rep[REPEAT_I], rep[REPEAT_N], rep[REPEAT_LAST]
+def _loop_state(rep: list, weaves: list | None) -> tuple:
+    """_loop's counter register name (or None), and with one WEAVE around, that WEAVE and its active child's
+    credit (counted in a local variable of the loop)."""
     counter = rep[ELEMENT].counter
-    name = counter.name if counter is not None else None
-    ran, passed, timed = 0, False, deadline is not None
-    try:
-        while ran < budget and (pos != last or i != n - 1):
-            if timed and ran and monotonic() >= deadline:
-                break
-            v = leaves[pos]()
-            ran += 1
-            if pos == last:  # the leaf, or the SEQ, finished an iteration of the REPEAT
-                i += 1
-                value = v
-                if name is not None:
-                    regs[name] = i
-                pos = 0
-            else:
-                pos += 1
-            if turn_used(weaves):  # the frames as settling leaves them before the turn, then the turn
-                repeat_counted(drv, rep, i, value)
-                _settled_before_turn(stack, seq, pos)
-                passed = rotate_weaves(drv, weaves)
-                if passed:
-                    break
-                _turn_kept(stack, seq, pos)
-    finally:
-        if ran and not passed:
-            _commit(drv, rep, seq, leaves, i, value, pos)
-        drv.steps += ran
-    return ran, passed
+    weave = weaves[0] if weaves is not None and len(weaves) == 1 else None
+    return (None if counter is None else counter.name), weave, (0 if weave is None else turn_credit(weave))
+
+
+def _left_on_the_path(drv, weave: list | None, left, ran: int, rep: list, seq: list | None, leaves: list, i: int,
+                      value, pos: int) -> None:
+    """_loop stopped with the turn still its child's: the one WEAVE's credit, and the frames as the general
+    path leaves them after the last step."""
+    if weave is not None:
+        set_turn_credit(weave, left)
+    if ran:
+        _commit(drv, rep, seq, leaves, i, value, pos)
+
+
+def _turn_of_one(drv, weave: list, left, rep: list, seq: list | None, i: int, value, pos: int) -> tuple:
+    """One WEAVE around, its active child's turn used up: the next child, as frames.weave_pick picks it.
+    Returns (whether the turn passed to another child, the credit of the turn that goes on)."""
+    a = weave[WEAVE_ACTIVE]
+    j = end_turn(weave, left)
+    if j == a:
+        return False, turn_credit(weave)
+    repeat_counted(drv, rep, i, value)  # the frames as settling leaves them before the turn, then the turn
+    _settled_before_turn(drv._stack, seq, pos)
+    pass_turn(drv, weave, j)
+    return True, left
+
+
+def _turn_of_several(drv, weaves: list, rep: list, seq: list | None, i: int, value, pos: int) -> bool:
+    """Several WEAVEs around, a turn used up: the frames as settling leaves them before the turn, then the
+    turn.  Whether it passed to another child."""
+    repeat_counted(drv, rep, i, value)
+    _settled_before_turn(drv._stack, seq, pos)
+    if rotate_weaves(drv, weaves):
+        return True
+    _turn_kept(drv._stack, seq, pos)
+    return False
 
 
 def _commit(drv, rep: list, seq: list | None, leaves: list, i: int, value, pos: int) -> None:
