@@ -86,8 +86,8 @@ class Synchronized:
         if most != -least or (done and running):
             raise FlowError(f"the ranks' runs differ: they are at steps {-least} to {most}"
                             f"{' and some have finished' if done and running else ''} (rank {group.rank()} at step "
-                            f"{drv.steps}); every rank must take the same steps: give each rank as many batches "
-                            "(Batches(..., drop_last=True), or a sample count that the ranks divide evenly)")
+                            f"{drv.steps}); every rank must take the same steps (a Batches serves as many batches on "
+                            "every rank: look for a loop or a condition that depends on the rank)")
         return signum, bool(due)
 
     def _check_lengths(self) -> None:
@@ -99,9 +99,8 @@ class Synchronized:
         most, least = group.agree(total, -total)
         if most != -least:
             raise FlowError(f"the ranks' programs take different numbers of steps ({-least} to {most}; rank "
-                            f"{group.rank()}: {total}): every rank must take the same steps: give each rank as "
-                            "many batches (a sample count the ranks divide evenly, or Batches(..., "
-                            "drop_last=True))")
+                            f"{group.rank()}: {total}): every rank must take the same steps (a Batches serves as "
+                            "many batches on every rank: look for a loop count that depends on the rank)")
 
     def run(self, max_steps: int | None = None) -> int:
         """Run; the exit status: 0, or 128 + the signal the ranks stopped on."""

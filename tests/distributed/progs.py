@@ -79,11 +79,13 @@ class Linear:
 
 
 def build(epochs: int = 3, seed: int = 0, samples: int = 96, batch_size: int = 8, fault=None, at: int = 5,
-          log=None, who: int = 1):
+          log=None, who: int = 1, uneven: int = 0):
+    """``uneven``: batches rank 1 takes more per epoch than the others (a program the ranks must refuse)."""
     t = Linear(seed, samples, batch_size, fault, at, log, who)
     reg = Registers(loss=None)
+    per_epoch = len(t.batches) + (uneven if flowvm.rank() == 1 else 0)
     return SEQ([
-        REPEAT(epochs, REPEAT(len(t.batches), SEQ([
+        REPEAT(epochs, REPEAT(per_epoch, SEQ([
             CALL(t.batches.next_batch, store_to=reg("batch")),
             CALL(t.step, reg("batch"), store_to=reg("loss")),
             CALL(t.maybe_fail),

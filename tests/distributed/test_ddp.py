@@ -166,6 +166,13 @@ def test_batches_whose_last_batch_leaves_a_rank_without_a_sample_are_refused_bef
     assert "drop_last=True" in done.stderr
 
 
+def test_ranks_whose_programs_take_different_steps_are_refused_before_they_run():
+    done = flowvm("run", PROG, "--nproc", "2", "--set", "uneven=1")  # rank 1 loops over 7 batches an epoch, not 6
+    assert done.returncode == 1
+    assert "the ranks' programs take different numbers of steps (55 to 64" in done.stderr, done.stderr[-3000:]
+    assert "look for a loop count that depends on the rank" in done.stderr
+
+
 def test_batches_of_unequal_last_shards_train_on_every_sample_of_every_epoch(tmp_path):
     # 98 samples: the last global batch holds 2, one a rank; both ranks take 7 batches an epoch
     log = tmp_path / "log"
