@@ -196,17 +196,18 @@ class Batches:
     def check_shards(self, where: str = "Batches") -> None:
         """Raise ValueError when some rank would get an empty batch: more ranks than samples in a global
         batch, or in the last one (which drop_last leaves out)."""
-        if self.world_size == 1:
+        g, ranks = self.global_batch, self.world_size
+        rest = 0 if self.drop_last else self.size % g
+        short = [n for n in (g, rest) if 0 < n < ranks]  # a batch of n samples leaves ranks n.. without one
+        if not short:
             return
-        rest = 0 if self.drop_last else self.size % self.global_batch
-        short = self.global_batch if self.global_batch < self.world_size else rest if 0 < rest < self.world_size \
-            else 0
-        if short:
-            raise ValueError(
-                f"{where}: {'a' if short == self.global_batch else 'the last'} batch of all {self.world_size} ranks "
-                f"together holds {short} sample{'s' if short > 1 else ''} ({self.size} samples in global batches "
-                f"of {self.global_batch}), so rank {short} and above would take an empty batch: use "
-                "drop_last=True, or a batch size that leaves every rank a sample of the last batch")
+        n = min(short)
+        fix = "use drop_last=True, or a batch size that leaves every rank a sample of the last batch" \
+            if n == rest and g >= ranks else f"use at most {g} ranks, or a larger batch size"
+        raise ValueError(
+            f"{where}: {'the last' if n == rest else 'each'} batch of all {ranks} ranks together holds {n} "
+            f"sample{'s' if n > 1 else ''} ({self.size} samples in global batches of {g}), so rank {n} and above "
+            f"would take an empty batch: {fix}")
 
     @property
     def batches_per_epoch(self) -> int:

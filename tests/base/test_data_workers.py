@@ -270,11 +270,14 @@ def test_a_world_of_another_size_takes_the_rest_of_each_global_batch_once_in_as_
         d = pickle.loads(pickle.dumps(old[0]))
         d.rank, d.world_size = r, after
         new.append(d)
+    empty = [r for r, d in enumerate(new) if any(len(d.indices(0, k)) == 0 for k in range(per_epoch))]
     try:
         new[0].check_shards()
-    except ValueError:
-        assert old[0].global_batch < after or 0 < (0 if drop_last else n % old[0].global_batch) < after
+    except ValueError as err:  # refused: exactly when a rank would take an empty batch, naming the first
+        assert empty and f"so rank {empty[0]} and above would take an empty batch" in str(err)
+        assert empty == list(range(empty[0], after))
         return
+    assert not empty
     assert all(len(d) == per_epoch for d in new)  # loops counted by len() keep their counts
     rest = [i for d in new for _ in range(per_epoch - cut) for i in d.next_batch().tolist()]
     kept = per_epoch * old[0].global_batch if drop_last else n

@@ -138,9 +138,19 @@ def test_a_driver_resharded_for_one_rank_takes_the_rest_of_the_epoch_once():
 
 def test_more_ranks_than_a_global_batch_holds_are_refused_naming_the_ranks_left_without_a_sample():
     b = Batches(np.arange(23), batch_size=3, seed=4, rank=0, world_size=2)
-    b.world_size = 7  # as a resume on 7 ranks sets it (reshard): a global batch of 6 leaves the seventh nothing
-    with pytest.raises(ValueError, match=r"a batch of all 7 ranks together holds 6 samples \(23 samples in global "
-                                         r"batches of 6\), so rank 6 and above would take an empty batch"):
+    b.world_size = 7  # as a resume on 7 ranks sets it (reshard): a global batch of 6 leaves the seventh nothing,
+    # and the last one (5 samples) the sixth too
+    with pytest.raises(ValueError, match=r"the last batch of all 7 ranks together holds 5 samples \(23 samples in "
+                                         r"global batches of 6\), so rank 5 and above would take an empty batch: "
+                                         r"use at most 6 ranks"):
         b.check_shards()
+    b = Batches(np.arange(24), batch_size=3, seed=4, rank=0, world_size=2)
+    b.world_size = 7
+    with pytest.raises(ValueError, match=r"each batch of all 7 ranks together holds 6 samples \(24 samples in "
+                                         r"global batches of 6\), so rank 6 and above would take an empty batch: "
+                                         r"use at most 6 ranks"):
+        b.check_shards()
+    b.world_size = 6
+    b.check_shards()  # 6 ranks: a sample each
 
 
