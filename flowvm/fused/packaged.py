@@ -91,19 +91,37 @@ class Packaged:
         path = cache.lookup(job.key)
         if path is None:
             return False
-        try:
-            run = job.load(path)
-        except Exception:  # damaged, or from a torch that writes what this one cannot read
-            cache.evict(job.key)
-            return False
+        known = cache.decision(path)
+        if known is not None and not known["compiled"]:
+            # an earlier run measured eager faster: the package is loaded only when it is timed again
+            self._deferred = (job, path)
+        else:
+            try:
+                self._load(job, path)
+            except Exception:  # damaged, or from a torch that writes what this one cannot read
+                cache.evict(job.key)
+                return False
         self.compiles += 1
-        self._direct = (job.layouts, run, run, job.reads)
-        self._verify, self._cache_key, self.cached = True, job.key, True
-        self._known = cache.decision(path)
+        self._cache_key, self.cached, self._known = job.key, True, known
         # a decision is kept only for a package that was checked against eager on its first call and timed:
         # a later run does not check its first call again (the checks before each call still hold)
-        self._verify = self._known is None
+        self._verify = known is None
         return True
+
+    def _load(self, job: jobs.Job, path: str) -> None:
+        run = job.load(path)
+        self._direct = (job.layouts, run, run, job.reads)
+
+    def _load_deferred(self) -> None:
+        """Load the cached package whose loading was put off (``_cached``), now that it is to run; one that
+        fails to load leaves the cache, and the step compiles again."""
+        (job, path), self._deferred = self._deferred, None
+        try:
+            self._load(job, path)
+        except Exception:
+            self._evict()
+            self.compiles -= 1
+            self.cached = False
 
     def _from_cache(self, args) -> bool:
         """At the step's first execution: whether its package came from the persistent cache (then it runs

@@ -88,6 +88,7 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         self.cached = False                # the package came from the persistent cache (flowvm/fused/cache.py)
         self._cache_key: str | None = None  # the package's entry there (evicted if it fails)
         self._known: dict | None = None     # what an earlier run measured of the cached package (_adopt)
+        self._deferred: tuple | None = None  # (job, entry) of a cached package not loaded yet (_cached)
         self._tries = 0                    # compiles started again for lack of resources (_later)
         self._retry_at = 0.0               # time.monotonic() before which none starts again
         self.current: Callable = self.eager if self.state == "eager" else self._first
@@ -188,7 +189,8 @@ class Runtime(Choosing, Packaged, ThreadCompile):
     def _after_compile(self) -> Callable:
         """Pick what runs once a compile job finished."""
         self._job_done = False
-        self._install_direct()
+        if self._deferred is None:  # else loaded when the compiled form first runs
+            self._install_direct()
         if self.error is not None:
             self.current = self._check_failure
         elif self.settings.form == "compiled":
@@ -225,7 +227,7 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         """The compiled form through dynamo's guards (inputs they reject run eagerly and get a compile
         of their own).  Once a direct graph exists, ``_install_direct`` shadows this method with a
         generated function that calls the graph and falls back here for other inputs."""
-        if self._direct is not None and "_compiled_call" not in self.__dict__:
+        if (self._direct is not None or self._deferred is not None) and "_compiled_call" not in self.__dict__:
             return self._install_direct()(*args)
         if self._runonly is None:  # only a graph compiled out of process, for other layouts: eager, and a compile
             out = self.eager(*args)
@@ -248,6 +250,8 @@ class Runtime(Choosing, Packaged, ThreadCompile):
 
     def _install_direct(self) -> Callable:
         """The compiled form to call: the direct graph's generated caller once there is a direct graph."""
+        if self._deferred is not None:
+            self._load_deferred()
         if self._direct is not None and "_compiled_call" not in self.__dict__:
             _, fn, bare, _ = self._direct
             first = self._verify or bare is not fn  # a first call to check, or a wrapper to run once

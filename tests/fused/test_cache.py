@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flowvm import CALL, REPEAT, SEQ, Registers
-from flowvm.fused import cache, compiler, jobs, outofprocess, threadcompile
+from flowvm.fused import cache, choosing, compiler, jobs, outofprocess, threadcompile
 from flowvm.passes.fuse_torch import fuse_torch
 
 
@@ -266,6 +266,36 @@ def test_a_warm_start_takes_the_form_an_earlier_run_measured_faster_from_the_fir
     assert checked == []  # nor a check of the first call against eager: the earlier run made it
     assert rt.state == ("compiled" if compiled else "eager") and rt.hits == (40 if compiled else 0)
     assert "measured compiled 8.0 µs vs eager 12.0 µs per execution (by an earlier run)" in fast.body.header_text()
+    assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
+
+
+@pytest.mark.parametrize("loads", [True, False])
+def test_a_package_an_earlier_run_measured_slower_is_loaded_only_when_it_is_timed_again(
+        cache_dir, monkeypatch, loads):
+    """Loading a package costs milliseconds at a warm start: one that ran slower than eager waits until the
+    decision is checked again; if it fails to load then, it leaves the cache and the step compiles anew."""
+    prog, reg = _chain(400)
+    fast, rt, entry = _stored(cache_dir, monkeypatch, prog, reg,
+                              {"compiled": False, "compiled_s": 12e-6, "eager_s": 8e-6, "periods": 20})
+    real, loaded = outofprocess.load_plain, []
+
+    def load(path):
+        loaded.append(rt.el.runtime().hits)
+        if not loads:
+            raise OSError("a damaged package")
+        return real(path)
+
+    monkeypatch.setattr(outofprocess, "load_plain", load)
+    monkeypatch.setattr(choosing, "RECHECK_FACTOR", 0.1)  # checked again after 0.1 * 20 * 100 executions
+    started = []
+    monkeypatch.setattr(type(rt), "_start_compile", lambda self, args: started.append(1))
+    steps = fast.start()
+    steps.run(max_steps=199)
+    assert loaded == [] and rt.state == "eager" and rt.cached
+    steps.run()
+    assert loaded == [0]  # at the 200th execution, for the trial
+    assert entry.exists() is loads and (rt.hits > 0) is loads
+    assert bool(started) is not loads  # a package that does not load is compiled again
     assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
 
 
