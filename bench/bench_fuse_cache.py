@@ -5,6 +5,7 @@ Run from the repository root::
 
     python bench/bench_fuse_cache.py            # full sizes (about 15 minutes here)
     python bench/bench_fuse_cache.py --quick    # small sizes (CI smoke test)
+    python bench/bench_fuse_cache.py --cases train --no-pace   # the MLP's whole runs only
 
 Cases: the 10-op elementwise chain and the d2l MLP's training step (SGD), each ``REPEAT``ed 300, 5,000 and
 50,000 times with the default options.  Every run is a fresh process with its own empty inductor cache; in
@@ -135,6 +136,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke test)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, quick 1)")
+    parser.add_argument("--cases", default="chain,train", help="which cases (default chain,train; quick: chain)")
+    parser.add_argument("--no-pace", action="store_true", help="leave out the pace during a cold compile")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--child", nargs=3, metavar=("CASE", "MODE", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -144,9 +147,9 @@ def main(argv=None) -> int:
         return 0
     rounds = args.rounds or (1 if args.quick else 3)
     start = time.perf_counter()
-    cases = ["chain"] if args.quick else ["chain", "train"]
+    cases = ["chain"] if args.quick else args.cases.split(",")
     sizes = [300] if args.quick else [300, 5000, 50000]
-    pace = {} if args.quick else {"chain": 1500000, "train": 50000}
+    pace = {} if args.quick or args.no_pace else {c: {"chain": 1500000, "train": 50000}[c] for c in cases}
     rows, primes, paces = [], {}, []
     with tempfile.TemporaryDirectory() as warm:
         for case in cases:
