@@ -23,13 +23,21 @@ def plain_graph(gm: Any) -> str | None:
     if any(r.op == "placeholder" for r in results):
         return "an input handed back as it is (aliased)"
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
-            return f"{node.target}: in-place or view op"
-        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-            return f"{node.target}: random numbers (inductor draws them differently from eager)"
+        why = _impure(node) if node.op == "call_function" else None
+        if why is not None:
+            return why
+    return None
+
+
+def _impure(node: Any) -> str | None:
+    """Why a call of a traced graph keeps it from being a plain tensor function (None when it does not)."""
+    import torch
+
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+        return f"{node.target}: in-place or view op"
+    if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+        return f"{node.target}: random numbers (inductor draws them differently from eager)"
     return None
 
 

@@ -136,12 +136,8 @@ class FuseSettings:
     payback: float = 20.0
 
     def __post_init__(self):
-        if isinstance(self.payback, bool) or not isinstance(self.payback, (int, float)) or not self.payback >= 0:
-            raise ValueError(f"fuse-torch: payback must be a number >= 0, got {self.payback!r}")
-        if isinstance(self.compile_after, bool) or not isinstance(self.compile_after, (int, float)) \
-                or not self.compile_after >= 0:
-            raise ValueError(f"fuse-torch: compile_after must be a number of seconds >= 0, "
-                             f"got {self.compile_after!r}")
+        _number("payback", self.payback, "a number >= 0")
+        _number("compile_after", self.compile_after, "a number of seconds >= 0")
         if self.compile_in not in ("process", "thread"):
             raise ValueError(f"fuse-torch: compile_in must be 'process' or 'thread', got {self.compile_in!r}")
         if self.form not in FORMS:
@@ -150,10 +146,8 @@ class FuseSettings:
             raise TypeError(f"fuse-torch: backend must be a name or a callable, got {type(self.backend).__name__}")
         if self.backend != "inductor" and (self.mode is not None or self.options):
             raise ValueError("fuse-torch: mode and options apply to the inductor backend only")
-        if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
-            raise ValueError(f"fuse-torch: trials must be an int >= 1, got {self.trials!r}")
-        if isinstance(self.max_compiles, bool) or not isinstance(self.max_compiles, int) or self.max_compiles < 1:
-            raise ValueError(f"fuse-torch: max_compiles must be an int >= 1, got {self.max_compiles!r}")
+        _number("trials", self.trials, "an int >= 1", integer=True)
+        _number("max_compiles", self.max_compiles, "an int >= 1", integer=True)
         if not 0 <= self.margin < 1:
             raise ValueError(f"fuse-torch: margin must be in [0, 1), got {self.margin!r}")
 
@@ -267,3 +261,8 @@ def fused_step(*calls: CALL, origins: Iterable[str] | None = None, options: Mapp
     return FUSED(calls, origins, FuseSettings.make(options, **settings))
 
 
+def _number(name: str, value: Any, what: str, integer: bool = False) -> None:
+    """Refuse an option that is not a number (an int with integer; never a bool) at least 0 (1 with integer)."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not value >= (1 if integer else 0):
+        raise ValueError(f"fuse-torch: {name} must be {what}, got {value!r}")

@@ -51,22 +51,33 @@ def immutable(value: Any) -> bool:
     """Whether value can never change: numbers, strings, torch's dtypes and devices, tuples, frozensets and
     slices of such values, enum members, frozen dataclasses of such fields, torch's own functions."""
     kind = type(value)
-    if kind in _SCALARS or isinstance(value, enum.Enum):
+    if kind in _SCALARS or isinstance(value, enum.Enum) or kind in _torch_scalars():
         return True
-    if kind in _torch_scalars():
-        return True
-    if isinstance(value, tuple) and (kind is tuple or hasattr(kind, "_fields")):
-        return all(immutable(v) for v in value)
-    if kind is frozenset:
-        return all(immutable(v) for v in value)
-    if kind is slice:
-        return immutable(value.start) and immutable(value.stop) and immutable(value.step)
+    parts = _parts(value, kind)
+    if parts is not None:
+        return all(immutable(v) for v in parts)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        params = getattr(kind, "__dataclass_params__", None)
-        fields = dataclasses.fields(value)
-        extra = set(getattr(value, "__dict__", {})) - {f.name for f in fields}
-        return bool(params and params.frozen) and not extra and all(immutable(getattr(value, f.name)) for f in fields)
+        return _frozen_dataclass(value, kind)
     return isinstance(value, (types.BuiltinFunctionType, types.FunctionType)) and torch_function(value)
+
+
+def _parts(value: Any, kind: type) -> Any:
+    """The values a tuple (or named tuple), frozenset or slice is made of; None for any other value."""
+    if isinstance(value, tuple) and (kind is tuple or hasattr(kind, "_fields")):
+        return value
+    if kind is frozenset:
+        return value
+    if kind is slice:
+        return (value.start, value.stop, value.step)
+    return None
+
+
+def _frozen_dataclass(value: Any, kind: type) -> bool:
+    """A frozen dataclass instance with nothing but its fields, each immutable."""
+    params = getattr(kind, "__dataclass_params__", None)
+    fields = dataclasses.fields(value)
+    extra = set(getattr(value, "__dict__", {})) - {f.name for f in fields}
+    return bool(params and params.frozen) and not extra and all(immutable(getattr(value, f.name)) for f in fields)
 
 
 def _ndarray(value: Any) -> bool:
@@ -118,13 +129,17 @@ def same(live: Any, kept: Any) -> bool:
     if kind is dict:
         return list(live) == list(kept) and all(same(live[k], kept[k]) for k in live)
     if _ndarray(live):
-        import numpy as np
-
-        return live.dtype == kept.dtype and live.shape == kept.shape and bool(
-            np.array_equal(live, kept, equal_nan=live.dtype.kind in "fc"))
+        return _same_array(live, kept)
     if kind is float or kind is complex:
         return live == kept or (live != live and kept != kept)
     return live == kept
+
+
+def _same_array(live: Any, kept: Any) -> bool:
+    import numpy as np
+
+    return live.dtype == kept.dtype and live.shape == kept.shape and bool(
+        np.array_equal(live, kept, equal_nan=live.dtype.kind in "fc"))
 
 
 def _arguments(calls: Any) -> Iterator[tuple[str, Any]]:

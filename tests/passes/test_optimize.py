@@ -69,6 +69,24 @@ def test_unknown_pass_names_and_stray_options_are_errors_that_list_what_exists()
         optimize(prog, passes=[("batch-buffers", {"x": 1})])
 
 
+@pytest.mark.parametrize("given, error, message", [
+    ({"payback": -1}, ValueError, "payback must be a number >= 0, got -1"),
+    ({"payback": True}, ValueError, "payback must be a number >= 0, got True"),
+    ({"compile_after": float("nan")}, ValueError, "compile_after must be a number of seconds >= 0, got nan"),
+    ({"compile_in": "gpu"}, ValueError, "compile_in must be 'process' or 'thread', got 'gpu'"),
+    ({"form": "fast"}, ValueError, "form must be one of"),
+    ({"backend": 3}, TypeError, "backend must be a name or a callable, got int"),
+    ({"backend": "eager", "mode": "max-autotune"}, ValueError, "mode and options apply to the inductor backend only"),
+    ({"trials": 2.0}, ValueError, "trials must be an int >= 1, got 2.0"),
+    ({"trials": 0}, ValueError, "trials must be an int >= 1, got 0"),
+    ({"max_compiles": False}, ValueError, "max_compiles must be an int >= 1, got False"),
+    ({"margin": 1}, ValueError, r"margin must be in \[0, 1\), got 1"),
+])
+def test_fuse_torch_options_out_of_range_are_refused_naming_the_option(given, error, message):
+    with pytest.raises(error, match="fuse-torch: " + message):
+        optimize(CALL(inc, 1), options={"fuse-torch": given})
+
+
 def test_set_form_on_a_program_without_fused_steps_says_so():
     from flowvm.passes.fuse_torch import set_form
 
