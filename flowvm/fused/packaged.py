@@ -112,16 +112,22 @@ class Packaged:
         run = job.load(path)
         self._direct = (job.layouts, run, run, job.reads)
 
-    def _load_deferred(self) -> None:
-        """Load the cached package whose loading was put off (``_cached``), now that it is to run; one that
-        fails to load leaves the cache, and the step compiles again."""
+    def _load_deferred(self) -> bool:
+        """Load the cached package whose loading was put off (``_cached``), now that it is to run; whether it
+        loaded.  One that fails to load leaves the cache, and the step starts over as one whose compile gave
+        nothing (as ``_reject_direct`` does): eager while it compiles anew, then a trial of its own."""
         (job, path), self._deferred = self._deferred, None
         try:
             self._load(job, path)
+            return True
         except Exception:
             self._evict()
-            self.compiles -= 1
-            self.cached = False
+        self.compiles -= 1
+        self.cached, self._known, self.trials_done = False, None, 0
+        self.periods, self._last = {"eager": [], "compiled": []}, None
+        self._waiting, self._job_done = True, False
+        self.state, self.current, self._chosen = "compiling", self._warming, self.eager
+        return False
 
     def _from_cache(self, args) -> bool:
         """At the step's first execution: whether its package came from the persistent cache (then it runs

@@ -227,7 +227,9 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         """The compiled form through dynamo's guards (inputs they reject run eagerly and get a compile
         of their own).  Once a direct graph exists, ``_install_direct`` shadows this method with a
         generated function that calls the graph and falls back here for other inputs."""
-        if (self._direct is not None or self._deferred is not None) and "_compiled_call" not in self.__dict__:
+        if self._deferred is not None and not self._load_deferred():
+            return self.eager(*args)  # the cached package did not load: the step compiles anew (_warming)
+        if self._direct is not None and "_compiled_call" not in self.__dict__:
             return self._install_direct()(*args)
         if self._runonly is None:  # only a graph compiled out of process, for other layouts: eager, and a compile
             out = self.eager(*args)
@@ -250,8 +252,6 @@ class Runtime(Choosing, Packaged, ThreadCompile):
 
     def _install_direct(self) -> Callable:
         """The compiled form to call: the direct graph's generated caller once there is a direct graph."""
-        if self._deferred is not None:
-            self._load_deferred()
         if self._direct is not None and "_compiled_call" not in self.__dict__:
             _, fn, bare, _ = self._direct
             first = self._verify or bare is not fn  # a first call to check, or a wrapper to run once
@@ -309,6 +309,8 @@ class Runtime(Choosing, Packaged, ThreadCompile):
                 self._orphaned()
                 break
             time.sleep(0.01)
+        if self._deferred is not None:
+            self._load_deferred()  # one that fails leaves nothing compiled: compiled now, from example
         if self.hits == 0 and self.compiles == 0:
             if example is None:
                 raise ValueError("force('compiled'): nothing is compiled yet; pass example inputs or run a step first")

@@ -296,6 +296,61 @@ def test_a_package_an_earlier_run_measured_slower_is_loaded_only_when_it_is_time
     assert loaded == [0]  # at the 200th execution, for the trial
     assert entry.exists() is loads and (rt.hits > 0) is loads
     assert bool(started) is not loads  # a package that does not load is compiled again
+    if not loads:  # and the step starts over: eager while it compiles, no decision of the package gone
+        assert rt.state == "compiling" and not rt.cached and rt.periods == {"eager": [], "compiled": []}
+        assert "by an earlier run" not in fast.body.header_text()
+    assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
+
+
+def test_a_package_that_fails_its_put_off_load_is_compiled_again_and_timed_afresh(cache_dir, monkeypatch):
+    prog, reg = _chain(400)
+    fast, rt, entry = _stored(cache_dir, monkeypatch, prog, reg,
+                              {"compiled": False, "compiled_s": 12e-6, "eager_s": 8e-6, "periods": 20})
+    head, loads, compiles = rt.generated.head, [], []
+
+    def load(path):
+        loads.append(path)
+        if len(loads) == 1:
+            raise OSError("a damaged package")
+        return lambda inputs: list(head(*inputs))
+
+    monkeypatch.setattr(outofprocess, "load_plain", load)
+    monkeypatch.setattr(outofprocess, "Compile", lambda payload, load, done, key=None: compiles.append(done))
+    monkeypatch.setattr(choosing, "RECHECK_FACTOR", 0.1)  # checked again at the 200th execution
+    monkeypatch.setattr(choosing, "MIN_TRIAL_SECONDS", 0)
+    checked = []
+    real = compiler.mismatch
+    monkeypatch.setattr(compiler, "mismatch", lambda *a: checked.append(1) or real(*a))
+    steps = fast.start()
+    steps.run(max_steps=201)
+    assert len(loads) == 1 and not entry.exists() and rt.state == "compiling" and len(compiles) == 1
+    compiles[0](load("the child's files"), None)  # the child compiled the step again
+    steps.run(max_steps=60)
+    assert checked == [1]  # its first call checked against eager, as a fresh compile's is
+    assert rt.trials_done >= 1 and rt.measured is not None and rt.hits >= 10  # and timed afresh
+    assert "by an earlier run" not in fast.body.header_text()
+    steps.run()
+    assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
+
+
+@pytest.mark.parametrize("loads", [True, False])
+def test_forcing_the_compiled_form_loads_a_put_off_package(cache_dir, monkeypatch, loads):
+    prog, reg = _chain(40)
+    fast, rt, entry = _stored(cache_dir, monkeypatch, prog, reg,
+                              {"compiled": False, "compiled_s": 12e-6, "eager_s": 8e-6, "periods": 20})
+    if not loads:
+        monkeypatch.setattr(outofprocess, "load_plain", lambda path: (_ for _ in ()).throw(OSError("damaged")))
+    steps = fast.start()
+    steps.run(max_steps=5)
+    assert rt.state == "eager" and rt.hits == 0
+    if not loads:  # nothing compiled is left: the compile needs example inputs
+        with pytest.raises(ValueError, match="nothing is compiled yet"):
+            rt.force("compiled")
+        assert not entry.exists()
+        return
+    rt.force("compiled")
+    steps.run()
+    assert rt.state == "compiled" and rt.hits == 35
     assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
 
 
