@@ -114,19 +114,16 @@ class Packaged:
 
     def _load_deferred(self) -> bool:
         """Load the cached package whose loading was put off (``_cached``), now that it is to run; whether it
-        loaded.  One that fails to load leaves the cache, and the step starts over as one whose compile gave
-        nothing (as ``_reject_direct`` does): eager while it compiles anew, then a trial of its own."""
+        loaded.  One that fails to load leaves the cache, with what an earlier run measured of it, and the
+        step compiles anew (``_compile_anew``)."""
         (job, path), self._deferred = self._deferred, None
         try:
             self._load(job, path)
             return True
         except Exception:
-            self._evict()
-        self.compiles -= 1
-        self.cached, self._known, self.trials_done = False, None, 0
-        self.periods, self._last = {"eager": [], "compiled": []}, None
-        self._waiting, self._job_done = True, False
-        self.state, self.current, self._chosen = "compiling", self._warming, self.eager
+            pass
+        self.cached, self._known, self.trials_done, self._job_done = False, None, 0, False
+        self._compile_anew()
         return False
 
     def _from_cache(self, args) -> bool:

@@ -277,15 +277,20 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         reduction can do that, as can a setting the child did not have): drop it; the thread compiles
         the step next (its dynamo guards see every setting).  These inputs run eagerly."""
         self.refused = reason
-        self._evict()
         self._direct = None
         self.__dict__.pop("_compiled_call", None)
-        self.compiles -= 1
         self.hits -= 1  # counted by the direct call
+        self._compile_anew()
+        return self.eager(*args)
+
+    def _compile_anew(self) -> None:
+        """The package at hand is gone (evicted from the cache): eager while the step compiles again (the
+        next execution starts it, ``_warming``), then a trial of the new package."""
+        self._evict()
+        self.compiles -= 1
         self.periods, self._last = {"eager": [], "compiled": []}, None
         self._waiting = True
         self.state, self.current, self._chosen = "compiling", self._warming, self.eager
-        return self.eager(*args)
 
     def _missed(self, args) -> None:
         """The compiled code's guards rejected these inputs and they ran eagerly: compile for them too."""
