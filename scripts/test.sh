@@ -24,21 +24,4 @@ if [ $# -gt 0 ]; then
     exec .venv/bin/python -P -m pytest "$@"
 fi
 .venv/bin/python -P -m pytest -m "not serial" -n "${FLOWVM_TEST_WORKERS:-2}" --dist loadfile
-# FLOWVM_TEST_BESIDE: a command run beside the serial tests at the lowest CPU priority, in a temporary
-# directory of its own (so its compiles hold no compile slot of the tests'); its output is printed after the
-# tests, and its failure fails the run.  The serial tests mostly wait on one compile child, leaving a core
-# free: CI runs the benchmarks' quick runs there (bench/quick.sh).
-beside=
-if [ -n "${FLOWVM_TEST_BESIDE:-}" ]; then
-    log=$(mktemp)
-    TMPDIR=$(mktemp -d) nice -n 19 bash -c "$FLOWVM_TEST_BESIDE" >"$log" 2>&1 &
-    beside=$!
-fi
-status=0
-.venv/bin/python -P -m pytest -m serial || status=$?
-if [ -n "$beside" ]; then
-    wait "$beside" || { echo "FLOWVM_TEST_BESIDE failed: $FLOWVM_TEST_BESIDE" >&2; [ "$status" -ne 0 ] || status=1; }
-    echo "== beside the serial tests: $FLOWVM_TEST_BESIDE"
-    cat "$log"
-fi
-exit "$status"
+.venv/bin/python -P -m pytest -m serial

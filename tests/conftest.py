@@ -31,14 +31,6 @@ def pytest_collection_modifyitems(config, items):
     import pytest
 
     for item in items:
-        if _folder(item) in SERIAL_FOLDERS:
+        parts = item.path.parts[len(Path(HERE).parts):] if Path(HERE) in item.path.parents else ()
+        if parts and parts[0] in SERIAL_FOLDERS:
             item.add_marker(pytest.mark.serial)
-    # The serial tests last, in SERIAL_FOLDERS' order: the fused tests first, whose waits on a compile child
-    # leave a core to a command run beside them (scripts/test.sh, FLOWVM_TEST_BESIDE), then the ranks.
-    items.sort(key=lambda item: SERIAL_FOLDERS.index(_folder(item)) + 1 if _folder(item) in SERIAL_FOLDERS else 0)
-
-
-def _folder(item) -> str | None:
-    """The folder of tests/ an item is in (None: tests/ itself, or elsewhere)."""
-    parts = item.path.parts[len(Path(HERE).parts):] if Path(HERE) in item.path.parents else ()
-    return parts[0] if len(parts) > 1 else None
