@@ -25,7 +25,7 @@ from ..pickled import stable
 from . import history
 from .engine import Engine
 from .fastpaths import repeat_leaf, repeat_seq, repeat_woven
-from .frames import ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, child_index, marks
+from .frames import ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, child_index, marks
 from ..program.elements import Element, provide, tool
 from .idle import Idle as _Idle
 from .idle import deadline_after, step_limit
@@ -217,6 +217,10 @@ class Driver(Engine, RunStateAccess):
                 return False  # the last iteration: the general path finishes the REPEAT
             repeat_leaf(self, fast, limit, deadline)
             return deadline is not None or self.steps >= limit
+        shape = self._fastseq or self._woven  # (REPEAT frame, SEQ frame), or (WEAVE frames, REPEAT, SEQ or None)
+        rep, seq = shape[-2], shape[-1]
+        if rep[REPEAT_I] + 1 >= rep[REPEAT_N] and (seq is None or seq[SEQ_POS] + 1 == len(seq[ELEMENT].elements)):
+            return False  # the last leaf of the REPEAT's last iteration: the general path takes it, at once
         if self._fastseq is not None:
             ran = repeat_seq(self, self._fastseq, limit, deadline)
             return (deadline is not None and ran > 0) or self.steps >= limit

@@ -18,9 +18,9 @@ from __future__ import annotations
 from time import monotonic
 
 from .compile import leaf_function
-from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, WEAVE_ACTIVE, end_turn, pass_turn,
-                     repeat_counted, repeat_seq_counted, rotate_weaves, seq_finished, seq_restarted, seq_moved,
-                     set_turn_credit, turn_credit, turn_used)
+from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_FINISHED,
+                     pass_turn, repeat_counted, repeat_seq_counted, rotate_weaves, seq_finished, seq_restarted,
+                     seq_moved, set_credits, turn_passed_in_repeat, turn_used)
 
 
 # False: the driver takes none of these paths (nor the move to a next sibling); for the tests that compare
@@ -87,7 +87,10 @@ def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int
         leaves, pos = [drv._leaf], 0
     else:
         leaves, pos = [leaf_function(c, drv.registers) for c in seq[ELEMENT].elements], seq[SEQ_POS]
-    ran, passed = _loop(drv, weaves, rep, seq, leaves, pos, limit - drv.steps, deadline)
+    if len(weaves) == 1:
+        ran, passed = _one_weave_loop(drv, weaves[0], rep, seq, leaves, pos, limit - drv.steps, deadline)
+    else:
+        ran, passed = _loop(drv, weaves, rep, seq, leaves, pos, limit - drv.steps, deadline)
     if passed:  # settle into the child whose turn it is, as the step that ended the turn would
         drv._fresh = None
         drv.settle_after_turn()
@@ -96,11 +99,12 @@ def repeat_woven(drv, woven: tuple, limit, deadline: float | None = None) -> int
 
 def _loop(drv, weaves: list | None, rep: list, seq: list | None, leaves: list, pos: int, budget, deadline):
     """The loop of repeat_seq and repeat_woven: the leaves (a SEQ's, or the REPEAT's one leaf) from pos on,
-    iteration after iteration of the REPEAT, inside the WEAVEs given (None: none).  Returns (steps taken,
+    iteration after iteration of the REPEAT, inside no WEAVE (weaves None) or several.  Returns (steps taken,
     whether a WEAVE's turn passed to another child: the frames are then settled before that turn)."""
     regs, last = drv.registers, len(leaves) - 1
     i, n, value = rep[REPEAT_I], rep[REPEAT_N], rep[REPEAT_LAST]
-    name, weave, left = _loop_state(rep, weaves)
+    counter = rep[ELEMENT].counter
+    name = None if counter is None else counter.name
     ran, passed, timed = 0, False, deadline is not None
     try:
         while ran < budget and (pos != last or i != n - 1):
@@ -116,53 +120,67 @@ def _loop(drv, weaves: list | None, rep: list, seq: list | None, leaves: list, p
                 pos = 0
             else:
                 pos += 1
-            if weaves is None:
-                continue
-            if weave is not None:
-                left -= 1
-                if left >= 1:
-                    continue
-                passed, left = _turn_of_one(drv, weave, left, rep, seq, i, value, pos)
-            elif turn_used(weaves):
-                passed = _turn_of_several(drv, weaves, rep, seq, i, value, pos)
-            if passed:
+            if weaves is not None and turn_used(weaves) and _turn_of_several(drv, weaves, rep, seq, i, value, pos):
+                passed = True
                 break
     finally:
-        if not passed:
-            _left_on_the_path(drv, weave, left, ran, rep, seq, leaves, i, value, pos)
+        if ran and not passed:
+            _commit(drv, rep, seq, leaves, i, value, pos)
         drv.steps += ran
     return ran, passed
 
 
-def _loop_state(rep: list, weaves: list | None) -> tuple:
-    """_loop's counter register name (or None), and with one WEAVE around, that WEAVE and its active child's
-    credit (counted in a local variable of the loop)."""
+def _one_weave_loop(drv, weave: list, rep: list, seq: list | None, leaves: list, pos: int, budget, deadline):
+    """_loop inside exactly one WEAVE (a training loop woven with a logger, say): the WEAVE's credits are
+    counted in a local copy, its next child picked as ``frames.weave_pick`` picks it, and the credits
+    committed (``set_credits``) when the loop ends or the turn passes.  The pick is written out: through a
+    function, a step of a woven nest of tight loops took a fifth longer (bench_shapes)."""
+    regs, last = drv.registers, len(leaves) - 1
+    i, n, value = rep[REPEAT_I], rep[REPEAT_N], rep[REPEAT_LAST]
     counter = rep[ELEMENT].counter
-    weave = weaves[0] if weaves is not None and len(weaves) == 1 else None
-    return (None if counter is None else counter.name), weave, (0 if weave is None else turn_credit(weave))
-
-
-def _left_on_the_path(drv, weave: list | None, left, ran: int, rep: list, seq: list | None, leaves: list, i: int,
-                      value, pos: int) -> None:
-    """_loop stopped with the turn still its child's: the one WEAVE's credit, and the frames as the general
-    path leaves them after the last step."""
-    if weave is not None:
-        set_turn_credit(weave, left)
-    if ran:
-        _commit(drv, rep, seq, leaves, i, value, pos)
-
-
-def _turn_of_one(drv, weave: list, left, rep: list, seq: list | None, i: int, value, pos: int) -> tuple:
-    """One WEAVE around, its active child's turn used up: the next child, as frames.weave_pick picks it.
-    Returns (whether the turn passed to another child, the credit of the turn that goes on)."""
-    a = weave[WEAVE_ACTIVE]
-    j = end_turn(weave, left)
-    if j == a:
-        return False, turn_credit(weave)
-    repeat_counted(drv, rep, i, value)  # the frames as settling leaves them before the turn, then the turn
-    _settled_before_turn(drv._stack, seq, pos)
-    pass_turn(drv, weave, j)
-    return True, left
+    name = None if counter is None else counter.name
+    credits, active, finished = list(weave[WEAVE_CREDITS]), weave[WEAVE_ACTIVE], weave[WEAVE_FINISHED]
+    weights, width = weave[ELEMENT].weights, len(finished)
+    ran, j, timed = 0, active, deadline is not None
+    try:
+        while ran < budget and (pos != last or i != n - 1):
+            if timed and ran and monotonic() >= deadline:
+                break
+            v = leaves[pos]()
+            ran += 1
+            if pos == last:  # the leaf, or the SEQ, finished an iteration of the REPEAT
+                i += 1
+                value = v
+                if name is not None:
+                    regs[name] = i
+                pos = 0
+            else:
+                pos += 1
+            c = credits[active] - 1
+            credits[active] = c
+            if c >= 1:
+                continue
+            j = active + 1  # the turn is used up: the next child, as frames.weave_pick picks it
+            while True:
+                if j == width:
+                    j = 0
+                if not finished[j]:
+                    c = credits[j] + (weights[j] if weights is not None else 1)
+                    credits[j] = c
+                    if c >= 1:
+                        break
+                j += 1
+            if j != active:
+                break
+    finally:  # the credits, and the turn if it passed (one function of frames.py: it may pass at every step)
+        if j != active:
+            turn_passed_in_repeat(drv, weave, credits, j, rep, i, value, seq, pos)
+        else:
+            set_credits(weave, credits)
+            if ran:
+                _commit(drv, rep, seq, leaves, i, value, pos)
+        drv.steps += ran
+    return ran, j != active
 
 
 def _turn_of_several(drv, weaves: list, rep: list, seq: list | None, i: int, value, pos: int) -> bool:

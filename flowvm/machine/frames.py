@@ -23,8 +23,8 @@ from .slots import (ELEMENT, SEQ_POS, REPEAT_I, REPEAT_N, REPEAT_LAST, BUFFER_I,
     LOOP_START_STEPS, LOOP_ITERATIONS, WHILE_PHASE, WHILE_LAST, WHILE_ITERATIONS, SWITCH_CHILD, WEAVE_ACTIVE,
     WEAVE_SEGMENTS, WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS, WEAVE_DONE, WEAVE_ROTATE, SLOT_NAMES, walk,
     comment, COMMENT, marks, child_index, weave_pick, credit_weaves, rotate_weaves, pass_turn, take_turn,
-    repeat_counted, seq_moved, repeat_seq_counted, seq_finished, seq_restarted, turn_used, turn_credit,
-    set_turn_credit, end_turn, copy_frame, overwrite, set_element, seq_frame, seq_position, set_seq_position,
+    repeat_counted, seq_moved, repeat_seq_counted, seq_finished, seq_restarted, turn_used, set_credits,
+    turn_passed_in_repeat, copy_frame, overwrite, set_element, seq_frame, seq_position, set_seq_position,
     weave_drop_child)  # noqa: F401  (the frames API)
 
 

@@ -210,7 +210,8 @@ def repeat_seq_counted(stack: list, rep: list, seq: list, i: int, value: Any, po
     """A REPEAT frame rep of a SEQ frame seq (on top of stack, below its leaf): i iterations done, the last
     one's value, the SEQ at child pos (the registers, the fast path wrote as it went)."""
     rep[REPEAT_I], rep[REPEAT_LAST] = i, value
-    seq_moved(stack, seq, pos)
+    seq[SEQ_POS] = pos  # seq_moved, written out: it runs once per run of a fast path's loop
+    stack[-1] = [seq[ELEMENT].elements[pos]]
 
 
 def seq_finished(stack: list, seq: list) -> None:
@@ -239,21 +240,33 @@ def turn_used(weaves: list) -> bool:
     return due
 
 
-def turn_credit(fr: list) -> float:
-    """The credit of a WEAVE frame's active child: the steps left in its turn, while it is >= 1."""
-    return fr[WEAVE_CREDITS][fr[WEAVE_ACTIVE]]
+def turn_passed_in_repeat(drv, weave: list, credits: list, b: int, rep: list, i: int, value: Any,
+                          seq: list | None, pos: int) -> None:
+    """A fast path inside one WEAVE ended its child's turn after a leaf of the REPEAT frame rep (or of the
+    SEQ frame seq that rep repeats, at child pos next), and the next turn is child b's: the WEAVE's credits
+    counted on a copy, rep's count (``repeat_counted``), the SEQ as settling leaves it before a turn
+    (``seq_moved``, or ``seq_finished`` at pos 0), then the turn (``pass_turn``).  One function for what
+    takes a turn at every step of an unweighted WEAVE: each call cost 1% of such a step (bench_shapes)."""
+    weave[WEAVE_CREDITS][:] = credits
+    rep[REPEAT_I] = i
+    rep[REPEAT_LAST] = value
+    counter = rep[ELEMENT].counter
+    if counter is not None:
+        drv.registers[counter.name] = i
+    if seq is not None:
+        stack = drv._stack
+        if pos:
+            seq[SEQ_POS] = pos
+            stack[-1] = [seq[ELEMENT].elements[pos]]
+        else:
+            del seq[1:]
+            del stack[-1]
+    pass_turn(drv, weave, b)
 
 
-def set_turn_credit(fr: list, credit: float) -> None:
-    """The active child of the WEAVE frame fr took steps of its turn (counted by a fast path): its credit."""
-    fr[WEAVE_CREDITS][fr[WEAVE_ACTIVE]] = credit
-
-
-def end_turn(fr: list, credit: float) -> int:
-    """The active child of the WEAVE frame fr used its turn up, leaving credit (< 1): the child whose turn
-    comes next (picked as ``weave_pick`` picks it, which may be the same child again)."""
-    set_turn_credit(fr, credit)
-    return weave_pick(fr, fr[WEAVE_ACTIVE] + 1)
+def set_credits(fr: list, credits: list) -> None:
+    """The credits of the WEAVE frame fr's children after steps a fast path took, counted on a copy."""
+    fr[WEAVE_CREDITS][:] = credits
 
 
 # ------------------------------------------------------------- hot patches' frame edits
