@@ -5,7 +5,9 @@ leave exactly the frames settling would (tests/machine/test_driver.py and the pr
 - ``repeat_seq``: a SEQ of simple leaves repeated by a REPEAT (``run()`` only).
 - ``repeat_woven``: either shape inside WEAVEs (``run()`` only), counting each step of the WEAVEs' turns.
 
-``repeat_seq`` and ``repeat_woven`` share one loop (``_loop``); ``repeat_leaf`` keeps its own, the tightest.
+``repeat_seq`` and ``repeat_woven`` inside several WEAVEs share one loop (``_loop``); ``repeat_woven`` inside
+one WEAVE has its own (``_one_weave_loop``), which counts the WEAVE's credits in a local copy, and
+``repeat_leaf`` its own, the tightest.
 
 The driver's ``step()`` has a one-step form of ``repeat_leaf`` inline, and ``_after_leaf`` moves to a simple
 next sibling in a SEQ directly.  Both loops stop at the step limit and, with a deadline, after the step
