@@ -122,7 +122,9 @@ def _loop(drv, weaves: list | None, rep: list, seq: list | None, leaves: list, p
                 pos = 0
             else:
                 pos += 1
-            if weaves is not None and turn_used(weaves) and _turn_of_several(drv, weaves, rep, seq, i, value, pos):
+            if weaves is None:
+                continue
+            if turn_used(weaves) and _turn_of_several(drv, weaves, rep, seq, i, value, pos):
                 passed = True
                 break
     finally:
