@@ -38,7 +38,7 @@ from .persist.state import load_state, save_state
 from .machine.driver import Driver
 from .base.sentinels import INCOMPLETE, PENDING
 from .program.elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, Leaf
-from .base.errors import (CheckpointError, CommandError, EditError, FlowError, PassError, RegisterError, SourceError,
+from .base.errors import (CheckpointError, CopyError, CommandError, EditError, FlowError, PassError, RegisterError, SourceError,
                           SpawnError, SpawnTimeout, SpawnVersionError, SwitchError, UnknownPassError,
                           VerifyError, SpawnVersionWarning, CopyWarning, DataError, FusionWarning, SettingsWarning,
                           WorkerError)
@@ -69,7 +69,7 @@ __all__ = [
     "BUFFER", "CALL", "LOOP", "PRINT", "REPEAT", "SEQ", "SWITCH", "WEAVE", "WHILE", "Element",
     "Leaf", "Register", "Registers", "INCOMPLETE", "PENDING", "Driver",
     "verify", "save", "load", "read_header", "save_state", "load_state",
-    "FlowError", "VerifyError", "CheckpointError", "RegisterError", "SwitchError",
+    "FlowError", "VerifyError", "CheckpointError", "CopyError", "RegisterError", "SwitchError",
     "optimize", "list_passes", "register_pass", "PassError", "UnknownPassError", "FUSED", "fusable",
     "POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout", "SpawnVersionError",
     "SpawnVersionWarning", "register_executor",

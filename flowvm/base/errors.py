@@ -7,6 +7,7 @@ flowvm's own: a program that cannot run, a checkpoint that cannot be read.
 
 from __future__ import annotations
 
+import pickle
 import signal
 import subprocess
 
@@ -93,6 +94,20 @@ class CheckpointError(FlowError):
         super().__init__(f"checkpoint {str(path)!r}: {reason}")
         self.path = path
         self.reason = reason
+
+
+@stable("flowvm")
+class CopyError(CheckpointError, pickle.PicklingError):
+    """A copy of a run (pickle, cloudpickle, deepcopy, ``flowvm.save``, a state file) is refused because it
+    would not resume exactly, or cannot be written: ``where`` names what holds the value at fault (a
+    register, ``"registers/loss"``; an element's frame, ``"frame of BUFFER at 0.1"``; the value in transit),
+    ``reason`` says why.  ``path`` is the file being written (``"<copy>"`` for an in-memory copy).  Automatic
+    saves (the command's checkpoints, ``--max-steps``, signals) never raise it: they step on to the next step
+    from which the run resumes exactly (``Driver.copyable()``)."""
+
+    def __init__(self, path: object, reason: str, where: str | None = None):
+        CheckpointError.__init__(self, path, reason if where is None else f"{where}: {reason}")
+        self.where = where
 
 
 @stable("flowvm")
