@@ -106,8 +106,10 @@ class CopyError(CheckpointError, pickle.PicklingError):
     from which the run resumes exactly (``Driver.copyable()``)."""
 
     def __init__(self, path: object, reason: str, where: str | None = None):
-        CheckpointError.__init__(self, path, reason if where is None else f"{where}: {reason}")
-        self.where = where
+        full = reason if where is None else f"{where} {reason}"
+        FlowError.__init__(self, f"cannot copy the run: {full}" if str(path) == "<copy>"
+                           else f"cannot save the run to {str(path)!r}: {full}")
+        self.path, self.reason, self.where = path, full, where
 
 
 @stable("flowvm")

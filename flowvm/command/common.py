@@ -79,7 +79,8 @@ def describe_value(value: Any) -> tuple[str, str]:
         dtype = str(getattr(value, "dtype", "")).replace("torch.", "")
         if shape == ():  # a scalar (a loss): its value
             try:
-                return kind, f"{float(value):.6g} {dtype}".rstrip()
+                scalar = value.detach() if hasattr(value, "detach") else value  # (torch warns on a graph's)
+                return kind, f"{float(scalar):.6g} {dtype}".rstrip()
             except (TypeError, ValueError):
                 pass
         return kind, f"shape {shape} {dtype}".rstrip()

@@ -29,6 +29,9 @@ from ..base.errors import CheckpointError, StoppedDuringStartup
 
 DEFAULT_EVERY_SECONDS = 60.0
 _MAX_CHUNK = 1 << 20  # steps per driver.run() call, at most
+# A save waits for a step the run resumes from exactly (Driver.copyable: no autograd graph a later backward
+# needs) at most this long; then the checkpoint is skipped (a periodic one) or not written (the last one).
+WAIT_SECONDS = 20.0
 
 
 class Stop:
@@ -105,8 +108,12 @@ class Runner:
         self.total = static_steps(drv.program)
         self.timed = "timeout" in inspect.signature(drv.run).parameters
 
-    def save(self) -> None:
+    def save(self, periodic: bool = False, step_on: bool = True) -> None:
+        """Save the run, first stepping on to a step it resumes from exactly (see ``exact``); with
+        step_on=False (after a step failed), a run that is not copyable now is not saved (CopyError)."""
         if self.ckpt is not None:
+            if step_on and not self.exact(periodic):
+                return
             try:
                 self.write()
             except CheckpointError as err:  # a full disk, a quota, ...: the last checkpoint stays as it is
@@ -115,6 +122,38 @@ class Runner:
                 failed.save_failed = True
                 raise failed from err
             self.saved_step, self.saved_time = self.drv.steps, time.monotonic()
+
+    def exact(self, periodic: bool = False) -> bool:
+        """Step on until a copy of the run resumes exactly (Driver.copyable), for at most WAIT_SECONDS, and say
+        so when it had to; True when the run may be saved now.  Past the limit, a periodic save is skipped
+        (False, said once) and any other is a CheckpointError that keeps the last checkpoint."""
+        drv = self.drv
+        problem = drv.copyable()
+        if problem is None:
+            return True
+        start, t0, n, first = drv.steps, time.monotonic(), 1, problem
+        while problem is not None:
+            took = time.monotonic() - t0
+            if took >= WAIT_SECONDS:
+                what = (f"{problem.where} still holds an autograd graph a later backward() may run through "
+                        f"after {drv.steps - start} more steps ({took:.1f} s)")
+                if periodic:
+                    self.line(f"flowvm: checkpoint skipped at step {drv.steps}: {what}")
+                    self.saved_time = time.monotonic()
+                    return False
+                failed = CheckpointError(self.ckpt, f"not saved: {what} (compute what is not differentiated "
+                                                    "under torch.no_grad(), or keep loss.detach()); it keeps the "
+                                                    f"run as saved at step {self.saved_step}")
+                failed.save_failed = True
+                raise failed
+            drv.run(max_steps=n)
+            n = n if drv.steps - start < 16 else min(2 * n, 1024)
+            problem = drv.copyable()
+        waited = drv.steps - start
+        self.line(f"flowvm: saving at step {drv.steps}, not {start}: at step {start} {first.where} held an autograd "
+                  f"graph that a backward() still needed, and a copy resumes exactly only without one (waited "
+                  f"{waited} step{'s' if waited != 1 else ''}, {time.monotonic() - t0:.2f} s)")
+        return True
 
     def write(self) -> None:
         """Write the checkpoint, in the format its suffix chooses (flowvm.persist.formats)."""
@@ -149,6 +188,8 @@ class Runner:
             try:
                 while not drv.done and stop.signal is None and (limit is None or drv.steps < limit):
                     self._chunk(limit, history)
+                if self.ckpt is not None:
+                    self.exact()  # the last save lands on a step the run resumes from exactly
             except BaseException as err:  # an error, or SystemExit or KeyboardInterrupt raised by the program
                 self._failed(err, stop)
                 raise
@@ -203,7 +244,7 @@ class Runner:
         if self.ckpt is not None and not drv.done and (
                 (self.every is not None and drv.steps - self.saved_step >= self.every)
                 or (self.every_seconds is not None and now - self.saved_time >= self.every_seconds)):
-            self.save()
+            self.save(periodic=True)
 
     def _failed(self, err: BaseException, stop: Stop) -> None:
         """A step raised err (the caller raises it again): save the run, which retries the step, and say so."""
@@ -219,7 +260,7 @@ class Runner:
         if getattr(err, "save_failed", False) or self.ckpt is None:  # saving again would fail again
             return
         try:
-            self.save()  # the driver is consistent: resuming retries the step that failed
+            self.save(step_on=False)  # the driver is consistent: resuming retries the step that failed
         except CheckpointError as failed:
             err.add_note(f"flowvm: {failed}")
             raise err from None

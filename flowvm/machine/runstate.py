@@ -166,6 +166,18 @@ class RunStateAccess:
         self._resume = environment
         self.invalidate()  # the next step goes through _prepare
 
+    def copyable(self):
+        """None when a copy of the run made now (pickle, cloudpickle, deepcopy, ``flowvm.save``, a state file)
+        resumes exactly; else the ``CopyError`` such a copy raises, naming the register or frame at fault.
+
+        A run between a forward pass and its backward holds a tensor whose autograd graph the backward
+        needs, and an autograd graph cannot be copied (flowvm.base.autograd): step on, and copy once the
+        backward has run.  The command's saves wait so themselves.  A finished run is always copyable.
+        Costs about one pickling of the run, without its large arrays."""
+        from ..program.elements import tool
+
+        return None if self.done else tool("copy_problem")(self)
+
     def copy_environment(self) -> dict:
         """What a copy of the run made now resumes with: the global random states and the settings of this
         moment (or those a copy that has not stepped yet still stands for)."""
@@ -174,8 +186,8 @@ class RunStateAccess:
     def _apply_resume(self) -> None:
         pending = self._resume
         if pending["random"] is not None:
-            apply_random(pending["random"])
-        apply_settings(pending["settings"], announce=pending["announce"])
+            apply_random(pending["random"], owner=self)
+        apply_settings(pending["settings"], announce=pending["announce"], owner=self)
         self._resume = None
         run_starts(self.program)
 

@@ -61,6 +61,7 @@ from ..base.errors import CheckpointError
 from .fileformat import (FORMAT, MAGIC, OUT_OF_BAND_MIN, THREADED_MIN, Digests, Verified, read_file,  # noqa: F401
                          verify_bytes)
 from ..base.version import __version__
+from .pickler import LiveGraph, copy_refused
 from .pickler import CopyWarning, Pickler, Unpickler, check_bytecode, names_in  # noqa: F401  (flowvm.persist.checkpoint.CopyWarning)
 
 def _key_bytes(key: bytes | str | None) -> bytes | None:
@@ -103,6 +104,8 @@ def _payload(driver, path) -> tuple[io.BytesIO, list[tuple[memoryview, str]], st
         # memoryviews, which the cyclic garbage collector cannot clear safely
         pickler.storage_buffers = out_of_band.storage_buffers
         pickler.dump({"driver": driver})
+    except LiveGraph as err:
+        raise copy_refused(err, driver, path) from None
     except Exception as err:
         culprit = ""
         for name, value in dict(driver.registers).items():

@@ -24,7 +24,8 @@ from ..pickled import stable
 from ..program.elements import provide
 from ..base import environment
 from ..base.environment import check_random, check_settings
-from ..base.errors import CheckpointError, CopyWarning
+from ..base.autograd import holds_live_graph
+from ..base.errors import CheckpointError, CopyError, CopyWarning
 
 @stable("flowvm.pickled")
 def global_generator(name: str) -> Any:
@@ -103,6 +104,8 @@ class Pickler(cloudpickle.Pickler):
         # tells them from others (a loader allocates their memory with torch).
         # Holding them keeps the ids unique while the pickle is written.
         self.storage_buffers: dict[int, pickle.PickleBuffer] = {}
+        # Whether a finished run is being written: its tensors' autograd graphs are no longer needed.
+        self.finished_run = False
         # A code object written means a function pickled by value: note the Python that can run it
         # (in a list the hook holds, not the pickler: no reference cycle through the pickler's buffers).
         self._bytecode: list[str] = []
@@ -142,7 +145,7 @@ def _rule_for(t: type):
     from ..machine.driver import Driver
 
     if t is Driver:
-        return lambda pickler, drv: (rebuild_driver, (drv.__getstate__(),))
+        return _reduce_driver_state
     if issubclass(t, random.Random) or (t.__module__ or "").startswith("numpy.random"):
         return _with_obj(_reduce_generator)
     if t is types.FunctionType:
@@ -154,7 +157,7 @@ def _rule_for(t: type):
 def _torch_rule_for(t: type, torch) -> Any:
     """_rule_for of torch's types: tensors, storages, generators, optimizers, data loaders."""
     if issubclass(t, torch.Tensor):
-        return _with_obj(_reduce_tensor)
+        return _reduce_tensor
     if t is torch.storage.TypedStorage:
         return _reduce_typed_storage
     if t is torch.UntypedStorage:
@@ -170,6 +173,56 @@ def _torch_rule_for(t: type, torch) -> Any:
 
         loader_rule = reduction_for(t)
         return None if loader_rule is None else _with_obj(loader_rule)
+    return None
+
+
+def _reduce_driver_state(pickler, drv):
+    # A finished run takes no more steps: the autograd graphs it holds are left out (their values kept).
+    pickler.finished_run = pickler.finished_run or drv.done
+    return rebuild_driver, (drv.__getstate__(),)
+
+
+class LiveGraph(CopyError):
+    """A tensor with a live autograd graph met while pickling (``where`` found later by ``copy_refused``)."""
+
+    def __init__(self, tensor):
+        super().__init__("<copy>", GRAPH_REASON)
+        self.tensor = tensor
+
+
+GRAPH_REASON = ("holds a tensor whose autograd graph a later backward() may still run through (a copy taken "
+                "between a forward pass and its backward); torch cannot copy an autograd graph, and the copy's "
+                "backward() would silently give no gradients. Copy the run after the backward (flowvm's own "
+                "saves wait for such a step: Driver.copyable() tells when), or keep what is not differentiated "
+                "as loss.detach() or loss.item() (or compute it under torch.no_grad())")
+
+
+def copy_refused(err: Exception, driver, path: Any = "<copy>") -> Exception:
+    """err from pickling driver, made to name where the value at fault is held: a CopyError for a live
+    autograd graph (naming the register or frame that holds the tensor); err itself otherwise."""
+    if isinstance(err, LiveGraph):
+        from .culprit import held_at
+
+        tensor = err.tensor
+        where = held_at(driver, lambda v: v is tensor) or _graph_holder(driver, tensor)
+        refused = CopyError(path, GRAPH_REASON, where or "a value of the run (not in a register or a frame)")
+        refused.tensor = tensor
+        return refused
+    return err
+
+
+def _graph_holder(driver, tensor) -> str | None:
+    """Where a value is held whose pickling meets tensor (a tensor inside an object the walk does not enter)."""
+    from .culprit import places
+
+    for where, value in places(driver):
+        try:
+            pickle_bytes(value)
+        except LiveGraph as err:
+            if err.tensor is tensor:
+                return where
+        except Exception:
+            continue
     return None
 
 
@@ -246,7 +299,9 @@ def _reduce_generator(obj):
     return (global_generator, (name,)) if name is not None else NotImplemented
 
 
-def _reduce_tensor(obj):
+def _reduce_tensor(pickler, obj):
+    if obj.grad_fn is not None and not pickler.finished_run and holds_live_graph(obj):
+        raise LiveGraph(obj)
     if getattr(obj, "_backward_hooks", None) or getattr(obj, "_post_accumulate_grad_hooks", None):
         _warn_dropped("gradient hooks registered on a tensor (Tensor.register_hook and the like)")
     if obj.is_leaf and obj.grad is not None:
@@ -373,8 +428,30 @@ def names_in(stream: bytes) -> set[tuple[str, str]]:
 def reduce_driver(drv) -> tuple:
     """How a Driver reduces for any outer pickler (pickle, cloudpickle, copy.deepcopy): its state written by
     Pickler, so that every kind of copy keeps the same things."""
-    data, bytecode = pickle_with_python(drv)
+    try:
+        data, bytecode = pickle_with_python(drv)
+    except LiveGraph as err:
+        raise copy_refused(err, drv) from None
     return load_driver_bytes, (data,) if bytecode is None else (data, bytecode)
 
 
+def copy_problem(drv):
+    """Driver.copyable(): the CopyError a copy of drv made now would raise, or None."""
+    try:
+        Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=_out_of_band).dump(drv)
+    except LiveGraph as err:
+        return copy_refused(err, drv)
+    return None
+
+
+class _Discard:
+    def write(self, data) -> int:
+        return len(data)
+
+
+def _out_of_band(buf) -> bool:
+    return False  # large buffers are left out: not written at all
+
+
 provide("copy_driver", reduce_driver)  # Driver.__reduce_ex__
+provide("copy_problem", copy_problem)  # Driver.copyable

@@ -36,12 +36,11 @@ import json
 import os
 import platform
 import time
-import warnings
 from typing import Any, Iterable
 
 from .location import Location
 from ..base.environment import check_random, check_settings
-from ..base.errors import CheckpointError, CopyWarning
+from ..base.errors import CheckpointError, CopyError
 from ..base.sentinels import NOVALUE
 from ..base.version import __version__
 from ..machine.driver import RunState
@@ -51,6 +50,7 @@ from ..program.elements import WEAVE, Element
 from ..program.paths import format_path, get, parse_path, walk
 from ..program.printer import lines
 from .checkpoint import _key_bytes
+from .pickler import GRAPH_REASON
 from .statefile import FORMAT, MAC, checksum_name, digests, read_state, views_of, write
 from .stateframes import LARGEST, check_frame
 from .stateobjects import encode_object, roots
@@ -106,11 +106,8 @@ def collect(driver, path: Any = "<state>", signed: bool = False, meta: dict | No
         parts, state = _encode_run(enc, driver)
     except Refused as err:
         raise CheckpointError(path, f"cannot save the run's state: {err}") from None
-    if enc.graphs:
-        warnings.warn(f"flowvm: {', '.join(enc.graphs[:3])} hold tensors with an autograd graph; a state file (as a "
-                      "pickle) keeps their values only, so a backward() through them after loading computes no "
-                      "gradients: run the forward pass and backward() in one CALL, or save between steps that do "
-                      "not hold such a tensor", CopyWarning, stacklevel=3)
+    if enc.graphs and not driver.done:  # a finished run takes no more steps: the values are all it needs
+        raise CopyError(path, GRAPH_REASON, enc.graphs[0])
     doc = enc.finish(parts)
     parts["run"]["marks"] = [[format_path(p), g, c] for p, (g, c) in marks(state.frames).items()] \
         if not driver.done else []

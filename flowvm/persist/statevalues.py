@@ -37,6 +37,7 @@ import sys
 from collections import OrderedDict
 from typing import Any, Callable
 
+from ..base.autograd import holds_live_graph
 from ..base.environment import global_generator_name
 from ..base.errors import Refused
 
@@ -120,7 +121,7 @@ class Encoder:
         self._starts: list[int] = []  # the memory written so far, as sorted disjoint ranges [start, end)
         self._ends: list[int] = []
         self.next_id = 0
-        self.graphs: list[str] = []  # where tensors with an autograd graph were met (their values are kept)
+        self.graphs: list[str] = []  # where tensors with a live autograd graph were met (flowvm.base.autograd)
 
     # -- references
     def remember(self, value: Any, node: Any) -> None:
@@ -295,7 +296,7 @@ class Encoder:
         self.remember(t, node)
         if t.requires_grad:
             node["requires_grad"] = True
-            if t.grad_fn is not None:
+            if t.grad_fn is not None and holds_live_graph(t):
                 self.graphs.append(where)
         if type(t) is torch.nn.Parameter:
             node["parameter"] = True

@@ -554,19 +554,22 @@ def test_fused_steps_resume_in_their_eager_form(tmp_path):
     want = straight(build)
     drv = build().start()
     drv.run(max_steps=4)
-    with pytest.warns(flowvm.CopyWarning, match="autograd graph"):  # the loss: backward() ran in the fused step
-        flowvm.save_state(drv, tmp_path / "fused.safetensors")
+    flowvm.save_state(drv, tmp_path / "fused.safetensors")  # the loss's graph is spent: backward() ran in the step
     resumed = flowvm.load_state(tmp_path / "fused.safetensors", build())
     resumed.run()
     assert not diff(want, outcome(resumed))
 
 
-def test_saving_a_tensor_with_an_autograd_graph_warns(tmp_path):
+def test_a_tensor_with_a_live_autograd_graph_is_refused_and_a_spent_one_saved(tmp_path):
     w = torch.ones(2, requires_grad=True)
     drv = SEQ([CALL(toy.const, 1), CALL(toy.const, 2)]).start()
-    drv.registers["loss"] = (w * 2).sum()
-    with pytest.warns(flowvm.CopyWarning, match="registers/loss hold tensors with an autograd graph"):
+    drv.registers["loss"] = (w * w).sum()
+    with pytest.raises(flowvm.CopyError, match="registers/loss holds a tensor whose autograd graph"):
         flowvm.save_state(drv, tmp_path / "g.safetensors")
+    assert not (tmp_path / "g.safetensors").exists()
+    drv.registers["loss"].backward()  # frees the graph: a backward through the copy fails as through the original
+    flowvm.save_state(drv, tmp_path / "g.safetensors")
+    assert flowvm.load_state(tmp_path / "g.safetensors", drv.program).registers["loss"].item() == 2.0
 
 
 def test_the_header_and_the_random_states(tmp_path):

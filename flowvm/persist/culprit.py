@@ -1,0 +1,106 @@
+"""Where in a run a value is held, for errors that must name it: ``held_at(driver, found)`` walks the registers,
+the frames and the value in transit, and gives the first place whose value ``found`` accepts, as a user reads
+it: ``registers/loss``, ``registers/history[3]``, ``registers/model.cache``, ``frame of BUFFER at 0.1 (values[2])``.
+
+The walk goes into lists, tuples, dicts, sets and the attributes of plain objects (a module's parameters,
+buffers and submodules by their names), a few levels deep, each object once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from ..program.paths import format_path
+
+__all__ = ["held_at", "places"]
+
+DEPTH = 6  # how deep the walk goes into a register's value
+
+
+def held_at(driver, found: Callable[[Any], bool]) -> str | None:
+    """The first place of driver's state whose value found(value) accepts, or None."""
+    for where, value in places(driver):
+        try:
+            if found(value):
+                return where
+        except Exception:
+            continue
+    return None
+
+
+def places(driver) -> Iterator[tuple[str, Any]]:
+    """(where, value) for every value of driver's state: registers, frames, the value in transit, and what
+    they hold (see the module docstring)."""
+    seen: set[int] = set()
+    for name, value in dict(driver.registers).items():
+        yield from _inside(f"registers/{name}", value, DEPTH, seen)
+    state = driver.snapshot()
+    from ..machine.slots import SLOT_NAMES, walk
+
+    for path, chain, index, _ in walk(state.frames):
+        frame = chain[index]
+        el = frame[0]
+        names = next((SLOT_NAMES[k] for k in type(el).__mro__ if k in SLOT_NAMES), ())
+        for j, value in enumerate(frame[1:]):
+            slot = names[j] if j < len(names) else f"slot {j + 1}"
+            yield from _inside(f"frame of {el.kind} at {format_path(path) or 'the root'} ({slot})", value, 3, seen)
+    if state.carry is not _nothing():
+        yield from _inside("the value passed on by the element that just finished", state.carry, DEPTH, seen)
+
+
+def _nothing():
+    from ..base.sentinels import NOVALUE
+
+    return NOVALUE
+
+
+_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), type)
+
+
+def _inside(where: str, value: Any, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, _LEAVES):
+        return
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    yield where, value
+    if depth <= 0 or _opaque(value):
+        return
+    for sub, item in _parts(value):
+        yield from _inside(where + sub, item, depth - 1, seen)
+
+
+def _opaque(value: Any) -> bool:
+    """Values not walked into: arrays and tensors (their elements are no places), functions, modules."""
+    module = type(value).__module__ or ""
+    return module.startswith(("numpy", "torch._C")) or callable(value) and not hasattr(value, "_parameters") \
+        or _is_tensor(value)
+
+
+def _is_tensor(value: Any) -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _parts(value: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for key, item in list(value.items()):
+            yield (f"[{key!r}]" if isinstance(key, (str, int)) else f"[a {type(key).__name__} key]"), item
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield f"[{i}]", item
+    elif isinstance(value, (set, frozenset)):
+        for item in list(value):
+            yield f" (an item {type(item).__name__})", item
+    else:
+        attributes = getattr(value, "__dict__", None)
+        if not isinstance(attributes, dict):
+            return
+        for key, item in list(attributes.items()):
+            if key in ("_parameters", "_buffers", "_modules") and isinstance(item, dict):
+                for name, sub in list(item.items()):  # a torch module's members by their names
+                    yield f".{name}", sub
+            else:
+                yield f".{key}", item
