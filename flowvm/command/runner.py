@@ -124,35 +124,31 @@ class Runner:
             self.saved_step, self.saved_time = self.drv.steps, time.monotonic()
 
     def exact(self, periodic: bool = False) -> bool:
-        """Step on until a copy of the run resumes exactly (Driver.copyable), for at most WAIT_SECONDS, and say
-        so when it had to; True when the run may be saved now.  Past the limit, a periodic save is skipped
-        (False, said once) and any other is a CheckpointError that keeps the last checkpoint."""
+        """Step on until a copy of the run resumes exactly (Driver.run_to_copyable), for at most WAIT_SECONDS,
+        and say so when it had to; True when the run may be saved now.  Past the limit, a periodic save is
+        skipped (False, said) and any other is a CheckpointError that keeps the last checkpoint."""
         drv = self.drv
-        problem = drv.copyable()
-        if problem is None:
+        first = drv.copyable()
+        if first is None:
             return True
-        start, t0, n, first = drv.steps, time.monotonic(), 1, problem
-        while problem is not None:
-            took = time.monotonic() - t0
-            if took >= WAIT_SECONDS:
-                what = (f"{problem.where} still holds an autograd graph a later backward() may run through "
-                        f"after {drv.steps - start} more steps ({took:.1f} s)")
-                if periodic:
-                    self.line(f"flowvm: checkpoint skipped at step {drv.steps}: {what}")
-                    self.saved_time = time.monotonic()
-                    return False
-                failed = CheckpointError(self.ckpt, f"not saved: {what} (compute what is not differentiated "
-                                                    "under torch.no_grad(), or keep loss.detach()); it keeps the "
-                                                    f"run as saved at step {self.saved_step}")
-                failed.save_failed = True
-                raise failed
-            drv.run(max_steps=n)
-            n = n if drv.steps - start < 16 else min(2 * n, 1024)
-            problem = drv.copyable()
-        waited = drv.steps - start
+        start, t0 = drv.steps, time.monotonic()
+        problem = drv.run_to_copyable(WAIT_SECONDS)
+        took, waited = time.monotonic() - t0, drv.steps - start
+        if problem is not None:
+            what = (f"{problem.where} still holds an autograd graph a later backward() may run through after "
+                    f"{waited} more steps ({took:.1f} s)")
+            if periodic:
+                self.line(f"flowvm: checkpoint skipped at step {drv.steps}: {what}")
+                self.saved_time = time.monotonic()
+                return False
+            failed = CheckpointError(self.ckpt, f"not saved: {what} (compute what is not differentiated under "
+                                                f"torch.no_grad(), or keep loss.detach()); it keeps the run as "
+                                                f"saved at step {self.saved_step}")
+            failed.save_failed = True
+            raise failed
         self.line(f"flowvm: saving at step {drv.steps}, not {start}: at step {start} {first.where} held an autograd "
                   f"graph that a backward() still needed, and a copy resumes exactly only without one (waited "
-                  f"{waited} step{'s' if waited != 1 else ''}, {time.monotonic() - t0:.2f} s)")
+                  f"{waited} step{'s' if waited != 1 else ''}, {took:.2f} s)")
         return True
 
     def write(self) -> None:

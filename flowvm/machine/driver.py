@@ -147,7 +147,7 @@ class Driver(Engine, RunStateAccess):
         ``steps_per_yield`` steps when that is given; a single leaf that runs longer holds the loop that
         long.  While every runnable leaf is a pending POPEN or SPAWN it awaits them, taking no CPU,
         instead of polling.  Returns as run() does; cancelling the task leaves the driver between two
-        steps.
+        steps, on one a copy resumes from exactly (after a forward pass's backward: ``run_to_copyable``).
 
         >>> import asyncio
         >>> from flowvm import CALL, REPEAT, Registers
@@ -175,10 +175,14 @@ class Driver(Engine, RunStateAccess):
                 return self.result
             if self.steps >= limit or (deadline is not None and monotonic() >= deadline):
                 return INCOMPLETE
-            if idle.stopped:
-                await idle.wait_async(self, deadline)
-            else:
-                await asyncio.sleep(0)
+            try:
+                if idle.stopped:
+                    await idle.wait_async(self, deadline)
+                else:
+                    await asyncio.sleep(0)
+            except asyncio.CancelledError:  # left on a step a copy resumes from exactly (run_to_copyable)
+                self.run_to_copyable()
+                raise
 
     def _drive(self, limit, deadline: float | None, idle: "_Idle | None", block: bool) -> Any:
         """The loop of run(), arun() and step(): with block=False it returns instead of waiting on pending

@@ -178,6 +178,21 @@ class RunStateAccess:
 
         return None if self.done else tool("copy_problem")(self)
 
+    def run_to_copyable(self, seconds: float = 20.0):
+        """Step on until a copy of the run made now resumes exactly (``copyable()`` is None: the backward of
+        a forward pass has run) or the run finishes, for at most ``seconds``; returns None then, or the
+        CopyError still in the way.  The command's saves, a coordinated checkpoint and a cancelled
+        ``arun()`` go through it."""
+        from time import monotonic
+
+        problem = self.copyable()
+        t0, start, n = monotonic(), self.steps, 1
+        while problem is not None and monotonic() - t0 < seconds:
+            self.run(max_steps=n)
+            n = n if self.steps - start < 16 else min(2 * n, 1024)  # checks cost a pickling of the run
+            problem = self.copyable()
+        return problem
+
     def copy_environment(self) -> dict:
         """What a copy of the run made now resumes with: the global random states and the settings of this
         moment (or those a copy that has not stepped yet still stands for)."""

@@ -162,3 +162,26 @@ def test_the_commands_saves_wait_for_a_step_the_run_resumes_from_exactly(tmp_pat
     # periodic saves every 4 steps: 4k + 2 is always just after the forward pass, so each waits a step
     toy.flowvm_cmd("resume", ckpt, "--every", "3", cwd=tmp_path)
     assert digest(dict(flowvm.load(ckpt).registers)) == digest(dict(reference.registers))
+
+
+def test_a_cancelled_arun_stops_on_a_step_the_run_resumes_from_exactly(tmp_path):
+    import asyncio
+
+    train = _write(tmp_path, "train_async", TRAIN)
+    reference = train.build().start()
+    reference.run()
+    drv = train.build().start()
+
+    async def cancel_after_the_forward_pass():
+        task = asyncio.create_task(drv.arun(steps_per_yield=2))  # zero_grad, the loss: then it yields
+        await asyncio.sleep(0)
+        assert drv.steps == 2 and drv.copyable() is not None
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_after_the_forward_pass())
+    assert drv.steps == 3 and drv.copyable() is None  # the backward ran before the task ended
+    copy = pickle.loads(pickle.dumps(drv))
+    copy.run()
+    assert digest(dict(copy.registers)) == digest(dict(reference.registers))
