@@ -13,6 +13,7 @@ flowvm.persist.storage, atomically.
 from __future__ import annotations
 
 import inspect
+import os
 import contextlib
 import signal
 import sys
@@ -23,6 +24,7 @@ from typing import Any
 from .history import History
 from ..persist.formats import format_of
 from ..persist.lock import holding
+from ..persist.storage import read_start
 from ..machine.driver import Driver
 from ..program.analysis import static_steps
 from ..base.errors import CheckpointError, StoppedDuringStartup
@@ -30,8 +32,16 @@ from ..base.errors import CheckpointError, StoppedDuringStartup
 DEFAULT_EVERY_SECONDS = 60.0
 _MAX_CHUNK = 1 << 20  # steps per driver.run() call, at most
 # A save waits for a step the run resumes from exactly (Driver.copyable: no autograd graph a later backward
-# needs) at most this long; then the checkpoint is skipped (a periodic one) or not written (the last one).
+# needs) at most this long ($FLOWVM_SAVE_WAIT seconds); then the checkpoint is skipped (a periodic one) or not
+# written (the last one).
 WAIT_SECONDS = 20.0
+
+
+def save_wait() -> float:
+    try:
+        return max(0.0, float(os.environ.get("FLOWVM_SAVE_WAIT", WAIT_SECONDS)))
+    except ValueError:
+        return WAIT_SECONDS
 
 
 class Stop:
@@ -118,10 +128,10 @@ class Runner:
                 self.write()
             except CheckpointError as err:  # a full disk, a quota, ...: the last checkpoint stays as it is
                 reason = err.reason.removesuffix("; the file there is as it was")
-                failed = CheckpointError(self.ckpt, f"{reason}; it keeps the run as saved at step {self.saved_step}")
+                failed = CheckpointError(self.ckpt, f"{reason}; {self.kept()}")
                 failed.save_failed = True
                 raise failed from err
-            self.saved_step, self.saved_time = self.drv.steps, time.monotonic()
+            self.saved_step, self.saved_time, self.written = self.drv.steps, time.monotonic(), True
 
     def exact(self, periodic: bool = False) -> bool:
         """Step on until a copy of the run resumes exactly (Driver.run_to_copyable), for at most WAIT_SECONDS,
@@ -132,7 +142,7 @@ class Runner:
         if first is None:
             return True
         start, t0 = drv.steps, time.monotonic()
-        problem = drv.run_to_copyable(WAIT_SECONDS)
+        problem = drv.run_to_copyable(save_wait())
         took, waited = time.monotonic() - t0, drv.steps - start
         if problem is not None:
             what = (f"{problem.where} still holds an autograd graph a later backward() may run through after "
@@ -142,14 +152,19 @@ class Runner:
                 self.saved_time = time.monotonic()
                 return False
             failed = CheckpointError(self.ckpt, f"not saved: {what} (compute what is not differentiated under "
-                                                f"torch.no_grad(), or keep loss.detach()); it keeps the run as "
-                                                f"saved at step {self.saved_step}")
+                                                f"torch.no_grad(), or keep loss.detach()); {self.kept()}")
             failed.save_failed = True
             raise failed
         self.line(f"flowvm: saving at step {drv.steps}, not {start}: at step {start} {first.where} held an autograd "
                   f"graph that a backward() still needed, and a copy resumes exactly only without one (waited "
                   f"{waited} step{'s' if waited != 1 else ''}, {took:.2f} s)")
         return True
+
+    def kept(self) -> str:
+        """What the checkpoint holds when a save fails."""
+        if self.written:
+            return f"it keeps the run as saved at step {self.saved_step}"
+        return "no checkpoint of this run was written"
 
     def write(self) -> None:
         """Write the checkpoint, in the format its suffix chooses (flowvm.persist.formats)."""
@@ -173,6 +188,9 @@ class Runner:
     def _run(self, max_steps: int | None) -> int:
         drv = self.drv
         self.saved_step, self.saved_time = drv.steps, time.monotonic()
+        # whether the checkpoint holds this run (at saved_step): a resumed run's file does, a new run's not yet
+        self.written = drv.steps > 0 and read_start(self.ckpt, 1, missing_ok=True) is not None \
+            if self.ckpt is not None else False
         self.start_step, self.start_time = drv.steps, time.monotonic()
         limit = None if max_steps is None else drv.steps + max_steps
         self.bar = self._start_progress()
@@ -250,8 +268,7 @@ class Runner:
             # a second Ctrl-C, which may have landed in the middle of a step: saving could keep a
             # half-made step, so the last checkpoint stays as it is
             if self.ckpt is not None:
-                err.add_note(f"flowvm: stopped at once by a second SIGINT; {self.ckpt} keeps the run "
-                             f"as saved at step {self.saved_step}")
+                err.add_note(f"flowvm: stopped at once by a second SIGINT; {self.ckpt}: {self.kept()}")
             return
         if getattr(err, "save_failed", False) or self.ckpt is None:  # saving again would fail again
             return

@@ -185,3 +185,33 @@ def test_a_cancelled_arun_stops_on_a_step_the_run_resumes_from_exactly(tmp_path)
     copy = pickle.loads(pickle.dumps(drv))
     copy.run()
     assert digest(dict(copy.registers)) == digest(dict(reference.registers))
+
+
+FOREVER = textwrap.dedent('''
+    import time
+    import torch
+    from flowvm import CALL, REPEAT, Registers
+
+    w = torch.ones(2, requires_grad=True)
+
+    def keep(n):  # a graph with no saved tensor: a backward could always run through it
+        time.sleep(0.01)
+        return (w * 2).sum() + n
+
+    def build():
+        return REPEAT(100000, CALL(keep, 1.0, store_to=Registers(loss=None)('loss')))
+''')
+
+
+def test_a_save_that_never_reaches_an_exact_step_is_skipped_or_refused_in_one_line(tmp_path):
+    (tmp_path / "forever.py").write_text(FOREVER)
+    ckpt = tmp_path / "f.ckpt"
+    done = toy.flowvm_cmd("run", tmp_path / "forever.py", "--max-steps", "5", "--checkpoint", ckpt, "--every", "2",
+                          "--progress", "none", cwd=tmp_path, check=False,
+                          env=dict(os.environ, FLOWVM_SAVE_WAIT="0.3"))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("flowvm: checkpoint skipped at step ")  # the periodic save at step 2
+    assert "registers/loss still holds an autograd graph" in lines[-1]
+    assert lines[-1].endswith("no checkpoint of this run was written") and "Traceback" not in done.stderr
+    assert not ckpt.exists()
