@@ -52,7 +52,6 @@ import struct
 import time
 from typing import Any
 
-import cloudpickle
 
 from . import storage
 from .location import Location
@@ -107,14 +106,7 @@ def _payload(driver, path) -> tuple[io.BytesIO, list[tuple[memoryview, str]], st
     except LiveGraph as err:
         raise copy_refused(err, driver, path) from None
     except Exception as err:
-        culprit = ""
-        for name, value in dict(driver.registers).items():
-            try:
-                cloudpickle.dumps(value)
-            except Exception:
-                culprit = f" register {name!r} holds an unpicklable {type(value).__name__};"
-                break
-        raise CheckpointError(path, f"cannot pickle the driver:{culprit} {type(err).__name__}: {err}") from err
+        raise copy_refused(err, driver, path) from err
     return stream, out_of_band.buffers, pickler.bytecode
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 from ..program.paths import format_path
 
-__all__ = ["held_at", "places"]
+__all__ = ["held_at", "places", "unpicklable_at"]
 
 DEPTH = 6  # how deep the walk goes into a register's value
 
@@ -26,6 +26,46 @@ def held_at(driver, found: Callable[[Any], bool]) -> str | None:
         except Exception:
             continue
     return None
+
+
+def unpicklable_at(driver, dumps: Callable[[Any], Any], error: BaseException | None = None
+                   ) -> tuple[str, Any, BaseException] | None:
+    """(where, value, error) for the innermost place of driver's state, or leaf of its program, that
+    dumps(value) fails on (a file object inside a logger in a register: ``registers/log.file``), going in
+    only while the value inside fails with the same message as the whole (``error``: an object whose own
+    reduction explains the refusal is named, not the part of it that does not pickle); None when every
+    place pickles alone."""
+    found = None
+    for where, value in [*places(driver), *_program_places(driver.program)]:
+        if found is not None and not _inside_of(where, found[0]):
+            break  # past the failing value's insides: the innermost failure was found
+        try:
+            dumps(value)
+        except Exception as err:
+            if found is None or error is None or str(err) == str(error):
+                found = (where, value, err)
+    return found
+
+
+def _inside_of(where: str, outer: str) -> bool:
+    return where.startswith(outer) and where[len(outer):len(outer) + 1] in (".", "[", ",", " ")
+
+
+def _program_places(program) -> Iterator[tuple[str, Any]]:
+    from ..program.paths import walk
+
+    for path, el in walk(program):
+        if el.is_leaf:
+            where = f"{el.kind} at {format_path(path) or 'the root'}"
+            yield where, el
+            fn = getattr(el, "fn", None)
+            if fn is not None:
+                named = f"{where}, function {getattr(fn, '__qualname__', type(fn).__name__)}"
+                yield named, fn
+                for i, default in enumerate(getattr(fn, "__defaults__", None) or ()):
+                    yield f"{named}, default argument {i + 1}", default
+            for i, arg in enumerate(getattr(el, "args", ()) or ()):
+                yield f"{where}, argument {i + 1}", arg
 
 
 def places(driver) -> Iterator[tuple[str, Any]]:

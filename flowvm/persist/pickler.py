@@ -198,8 +198,21 @@ GRAPH_REASON = ("holds a tensor whose autograd graph a later backward() may stil
 
 
 def copy_refused(err: Exception, driver, path: Any = "<copy>") -> Exception:
-    """err from pickling driver, made to name where the value at fault is held: a CopyError for a live
-    autograd graph (naming the register or frame that holds the tensor); err itself otherwise."""
+    """err from pickling driver, as a CopyError naming where the value at fault is held: the register or
+    frame holding a tensor with a live autograd graph, or the innermost value that does not pickle (the
+    register, its attribute or item, or the program's element, with the object's type)."""
+    if isinstance(err, CopyError) and not isinstance(err, LiveGraph):
+        return err
+    if not isinstance(err, LiveGraph):
+        from .culprit import unpicklable_at
+
+        found = unpicklable_at(driver, pickle_bytes, err)
+        if found is None:
+            return CopyError(path, f"does not pickle: {type(err).__name__}: {err}")
+        where, value, inner = found
+        refused = CopyError(path, f"holds a {type(value).__module__}.{type(value).__qualname__}, which does not "
+                                  f"pickle ({type(inner).__name__}: {inner})", where)
+        return refused
     if isinstance(err, LiveGraph):
         from .culprit import held_at
 
@@ -430,8 +443,8 @@ def reduce_driver(drv) -> tuple:
     Pickler, so that every kind of copy keeps the same things."""
     try:
         data, bytecode = pickle_with_python(drv)
-    except LiveGraph as err:
-        raise copy_refused(err, drv) from None
+    except Exception as err:
+        raise copy_refused(err, drv) from err
     return load_driver_bytes, (data,) if bytecode is None else (data, bytecode)
 
 

@@ -215,3 +215,36 @@ def test_a_save_that_never_reaches_an_exact_step_is_skipped_or_refused_in_one_li
     assert "registers/loss still holds an autograd graph" in lines[-1]
     assert lines[-1].endswith("no checkpoint of this run was written") and "Traceback" not in done.stderr
     assert not ckpt.exists()
+
+
+class _Logger:
+    def __init__(self, path):
+        self.file = open(path, "w")
+        self.lines = 0
+
+
+def _log(logger, value):
+    logger.lines += 1
+    return value
+
+
+def _plus_one(x, guard=__import__("threading").Lock()):
+    return x + 1
+
+
+def test_a_value_that_does_not_pickle_is_named_with_its_type(tmp_path):
+    reg = flowvm.Registers(log=_Logger(tmp_path / "log.txt"))
+    drv = flowvm.REPEAT(5, flowvm.CALL(_log, reg("log"), 1)).start()
+    drv.run(max_steps=2)
+    with pytest.raises(flowvm.CopyError, match=r"registers/log\.file holds a _io\.TextIOWrapper") as refused:
+        pickle.dumps(drv)
+    assert refused.value.where == "registers/log.file"
+    with pytest.raises(flowvm.CopyError, match="cannot save the run to .*registers/log.file holds a _io.TextIO"):
+        flowvm.save(drv, tmp_path / "c.ckpt")
+    assert not (tmp_path / "c.ckpt").exists()
+    reg = flowvm.Registers(x=0)
+    drv = flowvm.REPEAT(5, flowvm.CALL(_plus_one, reg("x"), store_to=reg("x"))).start()
+    drv.run(max_steps=2)
+    with pytest.raises(flowvm.CopyError, match=r"CALL at 0, function _plus_one, default argument 1 holds a "
+                                               r"_thread\.lock"):
+        pickle.dumps(drv)
