@@ -56,9 +56,15 @@ from ..pickled import stable
 from .loaders import next_from, restore_loader, restore_with
 from .batching import BatchMaker, inspect_source, sample_rng, stack_items
 from .sources import NpyShards, open_files, rebuild_with
+from .environment import cores
 from .workers import WorkerError, WorkerPool
 
 __all__ = ["Batches", "WorkerError", "sample_rng", "stack_items"]
+
+
+def max_workers() -> int:
+    """The most worker processes a Batches may start: 4 per core this process may use, and at least 8."""
+    return max(8, 4 * cores())
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -99,9 +105,11 @@ class Batches:
     ``transform(sample, rng)``, if given, maps each sample before collation;
     ``rng`` is a numpy Generator seeded with ``(seed, epoch, index)``.
 
-    ``workers=N`` makes batches ahead in N worker processes, ``prefetch`` batches
-    per worker in flight, served in exactly the order ``workers=0`` serves
-    them.  Batches in flight are a cache: the state stays three integers.
+    ``workers=N`` makes batches ahead in N worker processes (at most 4 per core, and at
+    least 8), ``prefetch`` batches per worker in flight, served in exactly the order
+    ``workers=0`` serves them.  Batches in flight are a cache: the state stays three
+    integers.  A worker that makes nothing for ``timeout`` seconds (a sample that hangs, a
+    worker stopped from outside) is a ``WorkerError`` naming it and the batch.
 
     ``rank`` and ``world_size`` (default: torch.distributed's when initialised)
     shard each epoch: its order is cut into global batches of ``batch_size *
@@ -116,6 +124,7 @@ class Batches:
     workers = 0
     prefetch = 2
     start_method = None
+    timeout = 300.0
     rank = 0
     world_size = 1
     global_batch_size = None  # objects saved before it was kept: batch_size * world_size
@@ -124,7 +133,7 @@ class Batches:
                  drop_last: bool = False, collate: Callable[[list], Any] | None = None, *,
                  transform: Callable[[Any, np.random.Generator], Any] | None = None, workers: int = 0,
                  prefetch: int = 2, start_method: str | None = None, rank: int | None = None,
-                 world_size: int | None = None):
+                 world_size: int | None = None, timeout: float = 300.0):
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.seed = _check_int("seed", seed, 0)
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
@@ -134,6 +143,12 @@ class Batches:
             if fn is not None and not callable(fn):
                 raise TypeError(f"Batches: {name} must be a function of {what}, got {type(fn).__name__} {fn!r:.40}")
         self.workers = _check_int("workers", workers, 0)
+        if self.workers > max_workers():
+            raise ValueError(f"Batches: workers={self.workers} is more than this machine can run usefully: at most "
+                             f"{max_workers()} (4 per core of its {cores()}, or 8)")
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+            raise ValueError(f"Batches: timeout must be a number of seconds > 0, got {timeout!r:.40}")
+        self.timeout = float(timeout)
         self.prefetch = _check_int("prefetch", prefetch, 1)
         if start_method is not None and not isinstance(start_method, str):
             raise TypeError(f"Batches: start_method must be 'fork', 'forkserver' or 'spawn', got {start_method!r:.40}")
@@ -328,7 +343,7 @@ class Batches:
         run; next_batch() calls this too."""
         if not self.workers or self.__dict__.get("_pool") is not None:
             return
-        pool = WorkerPool(self.workers, self.maker(), self.start_method)
+        pool = WorkerPool(self.workers, self.maker(), self.start_method, self.timeout)
         self.__dict__["_pool"] = pool
         self.__dict__["_stop"] = weakref.finalize(self, pool.close)
 

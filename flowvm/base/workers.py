@@ -10,7 +10,10 @@ come back in exactly the order the parent asks for them, whatever the timing.
 
 No thread runs in the parent: results are read when the program asks for a
 batch, waiting on the worker's pipe *and* its process sentinel, so a worker
-that dies is an error at once, never a hang.
+that dies is an error at once, never a hang.  A worker that makes nothing for
+the pool's ``timeout`` (a sample that hangs, a worker stopped with SIGSTOP) is
+a ``WorkerError`` naming it and the batch; a signal asking the run to stop
+(flowvm.base.interrupts) ends the wait after a second with ``Interrupted``.
 
 Start method: ``fork`` on Linux when no other Python thread runs at that
 moment (the workers start in milliseconds, sharing the source's memory
@@ -35,11 +38,13 @@ import time
 import traceback
 from typing import Any, Callable
 
+from . import interrupts
 from .errors import WorkerError
 
 __all__ = ["WorkerPool", "WorkerError", "process_alive", "start_method_for"]
 
 _PR_SET_PDEATHSIG = 1
+_SLICE = 0.25  # seconds between the checks of a wait for a batch (timeout, stop asked for)
 
 
 def start_method_for(requested: str | None) -> str:
@@ -142,9 +147,10 @@ def _sender(conn):
 class WorkerPool:
     """n worker processes making batches with maker(seed, epoch, indices); see the module's docstring."""
 
-    def __init__(self, n: int, maker: Callable, start_method: str | None = None):
+    def __init__(self, n: int, maker: Callable, start_method: str | None = None, timeout: float = 300.0):
         import multiprocessing
 
+        self.timeout = timeout  # seconds a batch may take before the worker counts as stuck
         self.method = start_method_for(start_method)
         self.ctx = multiprocessing.get_context(self.method)
         self.n = n
@@ -249,12 +255,14 @@ class WorkerPool:
                 self.indices.pop(got, None)  # asked for again when its turn comes, and raised then
 
     def _read(self, worker: int, key) -> tuple:
-        """The next answer of a worker; a WorkerError if it died (the pool is closed then)."""
+        """The next answer of a worker; a WorkerError if it died or made nothing for ``timeout`` seconds,
+        Interrupted once a signal asked the run to stop (the pool is closed then)."""
         from multiprocessing.connection import wait
 
         conn, proc = self.conns[worker], self.procs[worker]
+        start = time.monotonic()
         while True:
-            if conn.poll() or conn in wait([conn, proc.sentinel]):
+            if conn.poll() or conn in wait([conn, proc.sentinel], timeout=_SLICE):
                 try:
                     data = conn.recv_bytes()
                 except (EOFError, OSError):
@@ -262,7 +270,8 @@ class WorkerPool:
                 if data is not None:
                     self.outstanding[worker].popleft()
                     return pickle.loads(data)
-            elif proc.is_alive():  # pragma: no cover - woken for nothing
+            elif proc.is_alive():
+                self._waited(worker, key, time.monotonic() - start)
                 continue
             proc.join(timeout=1)
             indices = self.indices.get(key)
@@ -270,6 +279,22 @@ class WorkerPool:
             raise WorkerError(f"Batches: worker {worker} (pid {proc.pid}) died ({_exit_text(proc.exitcode)}) "
                               f"while making the batch {_describe(key, indices)}; the next batch asked for "
                               f"starts new workers.{_main_hint(self.method)}")
+
+    def _waited(self, worker: int, key, seconds: float) -> None:
+        """A worker made nothing for seconds: past the timeout, or once a signal asked the run to stop, the
+        workers are stopped and the wait ends with an error (the batch is made again when asked for)."""
+        signum = interrupts.due()
+        if signum is None and seconds < self.timeout:
+            return
+        proc, indices = self.procs[worker], self.indices.get(key)
+        doing = f"worker {worker} (pid {proc.pid}, {_process_state(proc.pid)}) made nothing for {seconds:.0f} s " \
+                f"while making the batch {_describe(key, indices)}"
+        self.close()
+        if signum is not None:
+            raise interrupts.Interrupted(f"Batches: stopped by {signal.Signals(signum).name}: {doing}", signum)
+        raise WorkerError(f"Batches: {doing}, past its timeout of {self.timeout:g} s (Batches(timeout=...) sets "
+                          "it): a sample's preparation that hangs, or a worker stopped from outside; the next "
+                          "batch asked for starts new workers")
 
     def _error(self, worker: int, key, indices, details: dict) -> WorkerError:
         sample = details.get("sample")
@@ -303,6 +328,18 @@ class WorkerPool:
         self.where.clear()
         self.ready.clear()
         self.indices.clear()
+
+
+def _process_state(pid: int) -> str:
+    """A process's state as Linux shows it ("stopped", "sleeping", ...)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return line.split("(", 1)[-1].rstrip(")\n ") or "state unknown"
+    except OSError:
+        pass
+    return "state unknown"
 
 
 def _widen(conn) -> None:

@@ -27,6 +27,7 @@ from ..persist.lock import holding
 from ..persist.storage import read_start
 from ..machine.driver import Driver
 from ..program.analysis import static_steps
+from ..base import interrupts
 from ..base.errors import CheckpointError, StoppedDuringStartup
 
 DEFAULT_EVERY_SECONDS = 60.0
@@ -67,6 +68,7 @@ class Stop:
         if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
         self.signal = signum
+        interrupts.request(signum)  # a step waiting on a stuck data worker gives way (flowvm.base.interrupts)
 
     def restore(self) -> None:
         """Give the signals back to their handlers from before (commands that run no program)."""
@@ -76,6 +78,7 @@ class Stop:
 
     def __exit__(self, *exc):
         self.restore()
+        interrupts.clear()
 
 
 def short_value(value: Any, limit: int = 40) -> str:
@@ -204,6 +207,12 @@ class Runner:
                     self._chunk(limit, history)
                 if self.ckpt is not None:
                     self.exact()  # the last save lands on a step the run resumes from exactly
+            except interrupts.Interrupted as err:  # a step waiting on a stuck worker gave way to the signal
+                self._end_progress()
+                self.line(f"flowvm: {err}")
+                self.save(step_on=False)  # the step did not happen: the driver is at the one before
+                self._stopped(stop.signal or err.signum)
+                return 128 + (stop.signal or err.signum)
             except BaseException as err:  # an error, or SystemExit or KeyboardInterrupt raised by the program
                 self._failed(err, stop)
                 raise
