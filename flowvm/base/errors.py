@@ -112,6 +112,10 @@ class CopyError(CheckpointError, pickle.PicklingError):
         self.path, self.reason, self.where = path, full, where
 
 
+class UsageError(FlowError):
+    """A command line the flowvm command cannot run (a bad option, a missing file): one line, status 2."""
+
+
 @stable("flowvm")
 class SpawnError(FlowError):
     """A SPAWN could not run its fragment: a dead worker, a cancelled task, an executor gone.

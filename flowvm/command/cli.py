@@ -39,9 +39,9 @@ import signal
 import sys
 
 from ..persist.formats import PICKLE, format_of
-from ..base.errors import CheckpointError, FlowError, StoppedDuringStartup
+from ..base.errors import UsageError, CheckpointError, FlowError, StoppedDuringStartup
 from .targets import build_program, bundled_programs, recorded
-from .common import KEY_ENV, check_checkpoint_path, check_output, checkpoint_location, finish, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, start_program, trusted_header, write_model
+from .common import KEY_ENV, check_checkpoint_path, check_model, check_output, checkpoint_location, finish, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, start_program, trusted_header, write_model
 from .runner import DEFAULT_EVERY_SECONDS, Stop, static_steps
 from .state_commands import cmd_resume_state, cmd_show_checkpoint, cmd_show_state
 from .sweeps import cmd_plot, cmd_sweep, start_dask
@@ -55,6 +55,7 @@ def cmd_run(args) -> int:
     refuse_to_overwrite(args.checkpoint, args.force)
     check_output(args.output)
     module, drv, values, threads = start_program(args)
+    check_model(module, args.output)  # before the first step, not after the run
     if args.checkpoint is not None:  # a run the format cannot hold (a function in a state file) is refused now
         format_of(args.checkpoint).check(drv, args.checkpoint)
     target = recorded(args.target)  # so that `flowvm resume` finds it from any directory
@@ -74,7 +75,7 @@ def cmd_resume(args) -> int:
     if not format_of(args.path).holds_code:  # the program is built again from the target the file records
         return cmd_resume_state(args)
     if args.program is not None or args.set:
-        raise SystemExit("flowvm: --program and --set resume state checkpoints (.safetensors) only")
+        raise UsageError("--program and --set resume state checkpoints (.safetensors) only")
     check_checkpoint_path(args.checkpoint)
     header, key = trusted_header(args, args.path)
     meta = header.get("meta") or {}
@@ -275,7 +276,6 @@ def main(argv: list[str] | None = None, early_signals: list[int] | None = None) 
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         if args.command not in ("run", "resume", "sweep"):  # nothing to stop at a step boundary
             stop.restore()
-        _check_counts(args)
         return _call(args)
 
 
@@ -284,16 +284,17 @@ def _check_counts(args) -> None:
         value = getattr(args, name, None)
         least = 0 if name == "max_steps" else 1
         if value is not None and value < least:
-            raise SystemExit(f"flowvm: --{name.replace('_', '-')} must be >= {least}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {least}")
     if getattr(args, "every_seconds", None) is not None and not args.every_seconds > 0:
-        raise SystemExit("flowvm: --every-seconds must be > 0")
+        raise UsageError("--every-seconds must be > 0")
     if args.command == "run" and args.checkpoint is None and (args.every or args.every_seconds):
-        raise SystemExit("flowvm: --every and --every-seconds need --checkpoint PATH (where to save)")
+        raise UsageError("--every and --every-seconds need --checkpoint PATH (where to save)")
 
 
 def _call(args) -> int:
     """The command's function, its errors as the command's messages and exit statuses."""
     try:
+        _check_counts(args)
         return args.func(args)
     except StoppedDuringStartup as stopped:
         return _stopped_during_startup(stopped.signum)

@@ -15,7 +15,7 @@ from ..persist import storage
 from ..persist.location import Location
 from ..persist.formats import MAGIC_BYTES, PICKLE, STATE, format_of
 from ..machine.driver import Driver
-from ..base.errors import CheckpointError
+from ..base.errors import UsageError, CheckpointError
 from .targets import load_module
 from .runner import Runner
 
@@ -27,20 +27,31 @@ def check_output(path: str | None) -> None:
     from ..programs import MODEL_SUFFIXES
 
     if path is not None and Path(path).suffix.lower() not in MODEL_SUFFIXES:
-        raise SystemExit(f"flowvm: --output {path}: give a file ending in {', '.join(MODEL_SUFFIXES)}")
+        raise UsageError(f"--output {path}: give a file ending in {', '.join(MODEL_SUFFIXES)}")
+
+
+def check_model(module: ModuleType | None, path: str | None) -> None:
+    """--output: refused before the first step when the program gives no model."""
+    if path is not None and module is not None and not callable(getattr(module, "model", None)):
+        raise UsageError(f"--output {path}: the program gives no model (its module has no "
+                         "model(registers) function)")
 
 
 def write_model(drv: Driver, module: ModuleType | None, path: str | None) -> None:
     """--output: the finished run's model (its module's model(registers)) written to path."""
     if path is None or not drv.done:
         return
-    model_of = getattr(module, "model", None) if module is not None else None
-    if model_of is None:
-        raise SystemExit(f"flowvm: --output {path}: the program gives no model (its module has no "
-                         "model(registers) function)")
+    check_model(module, path)
+    if module is None:
+        raise UsageError(f"--output {path}: the run does not record its program's module")
     from ..programs import save_model
 
-    save_model(model_of(drv.registers), path)
+    model = module.model(drv.registers)
+    try:
+        save_model(model, path)
+    except (TypeError, ValueError, AttributeError) as err:
+        raise UsageError(f"--output {path}: model(registers) gave a {type(model).__name__}, which cannot be written "
+                         f"as a model ({type(err).__name__}: {err}); the run is finished and saved") from err
     print(f"model written to {path}")
 
 
@@ -126,7 +137,7 @@ def trusted_header(args, path: Path | str) -> tuple[dict, str | None]:
     key, read_header = key_of(args), format_of(path).read_header
     header = read_header(path)
     if header.get("signed") and key is None:
-        raise SystemExit(f"flowvm: {path} is signed: give its key with --key or ${KEY_ENV}")
+        raise UsageError(f"{path} is signed: give its key with --key or ${KEY_ENV}")
     if key is not None:
         header = read_header(path, key=key)
     return header, key
@@ -176,13 +187,13 @@ def check_checkpoint_path(path: Path | str | None) -> None:
             storage.check_target(path)
             storage.read_start(path, MAGIC_BYTES, missing_ok=True)
         except CheckpointError as err:
-            raise SystemExit(f"flowvm: --checkpoint {path}: {err.reason}") from None
+            raise UsageError(f"--checkpoint {path}: {err.reason}") from None
         return
     if path is not None:
         if path.is_dir():
-            raise SystemExit(f"flowvm: --checkpoint {path} is a directory; give a file name")
+            raise UsageError(f"--checkpoint {path} is a directory; give a file name")
         if not path.parent.resolve().is_dir():
-            raise SystemExit(f"flowvm: --checkpoint {path}: no directory {path.parent}")
+            raise UsageError(f"--checkpoint {path}: no directory {path.parent}")
 
 
 def refuse_to_overwrite(path: Path | str | None, force: bool) -> None:
@@ -196,7 +207,7 @@ def refuse_to_overwrite(path: Path | str | None, force: bool) -> None:
         try:
             start = storage.read_start(path, MAGIC_BYTES, missing_ok=True)
         except CheckpointError as err:
-            raise SystemExit(f"flowvm: --checkpoint {path}: {err.reason}") from None
+            raise UsageError(f"--checkpoint {path}: {err.reason}") from None
         if start is None:
             return
     else:
@@ -208,7 +219,7 @@ def refuse_to_overwrite(path: Path | str | None, force: bool) -> None:
         except OSError:
             return  # a directory or an unreadable path: saving names the problem
     if start and not PICKLE.starts_like(start):
-        raise SystemExit(f"flowvm: {path} exists and is not a flowvm checkpoint; choose another --checkpoint "
+        raise UsageError(f"{path} exists and is not a flowvm checkpoint; choose another --checkpoint "
                          "path, or pass --force to replace it")
     try:
         header = PICKLE.read_header(path)
@@ -216,7 +227,7 @@ def refuse_to_overwrite(path: Path | str | None, force: bool) -> None:
         return  # a damaged checkpoint: nothing to lose
     if not header.get("done"):
         target = (header.get("meta") or {}).get("target") or header.get("program")
-        raise SystemExit(f"flowvm: {path} holds an unfinished run ({target}, step {header.get('steps')}); "
+        raise UsageError(f"{path} holds an unfinished run ({target}, step {header.get('steps')}); "
                          f"continue it with `flowvm resume {path}`, or pass --force to start over")
 
 
@@ -227,8 +238,8 @@ def module_of(meta: dict) -> ModuleType | None:
             return load_module(meta["target"])
         if meta.get("module"):
             return importlib.import_module(meta["module"])
-    except (SystemExit, ImportError) as err:
-        reason = str(err.code if isinstance(err, SystemExit) else err).removeprefix("flowvm: ")
+    except (UsageError, ImportError) as err:
+        reason = str(err)
         print(f"flowvm: warning: cannot load the run's program ({reason}); going on without its SHOW and "
               "report() (objects defined there may fail to load)", file=sys.stderr)
     return None
@@ -243,10 +254,10 @@ def refuse_to_overwrite_state(path: Path | str) -> None:
         if err.reason in ("no such file", "no such object"):
             return
         if not err.reason.startswith(("corrupted", "refused")):  # not recognizably a flowvm state file
-            raise SystemExit(f"flowvm: {path} exists and is not a flowvm state checkpoint ({err.reason}); choose "
+            raise UsageError(f"{path} exists and is not a flowvm state checkpoint ({err.reason}); choose "
                              "another --checkpoint path, or pass --force to replace it") from None
         return
     if not header.get("done"):
         target = (header.get("meta") or {}).get("target") or header.get("program")
-        raise SystemExit(f"flowvm: {path} holds an unfinished run ({target}, step {header.get('steps')}); "
+        raise UsageError(f"{path} holds an unfinished run ({target}, step {header.get('steps')}); "
                          f"continue it with `flowvm resume {path}`, or pass --force to start over")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..machine import history
+from ..base.errors import UsageError
 
 
 class History:
@@ -64,7 +65,7 @@ class ScalarWriter:
             from tensorboard.compat.proto.summary_pb2 import Summary
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
         except ImportError:
-            raise SystemExit("flowvm: --tensorboard needs the tensorboard package (pip install "
+            raise UsageError("--tensorboard needs the tensorboard package (pip install "
                              "'flowvm[tensorboard]')") from None
         self._event, self._summary = Event, Summary
         self._file = EventFileWriter(str(logdir))
@@ -95,7 +96,7 @@ def plot_history(history: dict, names: list[str], out: str, title: str = "", log
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("flowvm: flowvm plot needs matplotlib (pip install 'flowvm[plot]')") from None
+        raise UsageError("flowvm plot needs matplotlib (pip install 'flowvm[plot]')") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -104,7 +105,7 @@ def plot_history(history: dict, names: list[str], out: str, title: str = "", log
     missing = [n for n in names if not points.get(n)]
     if missing:
         known = ", ".join(n for n in points if points[n]) or "none"
-        raise SystemExit(f"flowvm: no history of {', '.join(missing)} in the run (recorded: {known})")
+        raise UsageError(f"no history of {', '.join(missing)} in the run (recorded: {known})")
     fig, axes = plt.subplots(len(names), 1, figsize=(7, 2.4 * len(names) + 0.6), sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], names):
         _panel(ax, name, points[name], log)

@@ -11,6 +11,7 @@ from ..persist import checkpoint
 from . import outputs
 from .common import (KEY_ENV, check_checkpoint_path, check_output, finish, module_of, printable,
                      registers_summary, runner_for, set_threads, trusted_header, write_model)
+from ..base.errors import UsageError
 
 
 
@@ -45,7 +46,7 @@ def _rebuild(args, meta: dict):
     --set adds options); meta updated to record what was built."""
     target = args.program or meta.get("target")
     if not target:
-        raise SystemExit(f"flowvm: {args.path} does not record which program it ran; give it with --program TARGET")
+        raise UsageError(f"{args.path} does not record which program it ran; give it with --program TARGET")
     if args.program is not None:
         target = recorded(target)  # as run records it: found again from any directory
     sets = (list(meta.get("sets", [])) if args.program is None else []) + list(args.set)

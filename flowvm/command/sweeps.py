@@ -11,6 +11,7 @@ from ..persist.formats import format_of
 from . import outputs
 from .targets import load_module, parse_sets
 from .common import check_checkpoint_path, check_output, finish, key_of, refuse_to_overwrite, runner_for, write_model
+from ..base.errors import UsageError
 
 
 def start_dask(scheduler: str | None = None, versions: str = "error") -> Any:
@@ -20,7 +21,7 @@ def start_dask(scheduler: str | None = None, versions: str = "error") -> Any:
     try:
         from dask.distributed import Client, LocalCluster
     except ImportError:
-        raise SystemExit("flowvm: --executor dask needs dask.distributed (pip install 'flowvm[dask]')") from None
+        raise UsageError("--executor dask needs dask.distributed (pip install 'flowvm[dask]')") from None
     from .. import register_executor
 
     if scheduler is None:
@@ -30,7 +31,7 @@ def start_dask(scheduler: str | None = None, versions: str = "error") -> Any:
         try:
             client = Client(scheduler, timeout=30)
         except OSError as err:
-            raise SystemExit(f"flowvm: cannot reach the Dask scheduler at {scheduler}: {err}") from None
+            raise UsageError(f"cannot reach the Dask scheduler at {scheduler}: {err}") from None
     register_executor("dask", client, versions=versions)
     return client
 
@@ -41,7 +42,7 @@ def executor_option(value: str | None) -> str | None:
         return None
     if "://" in value:
         return value
-    raise SystemExit("flowvm: --executor takes dask (a cluster on this machine) or a Dask scheduler's address "
+    raise UsageError("--executor takes dask (a cluster on this machine) or a Dask scheduler's address "
                      "(tcp://host:8786); the default is a local pool")
 
 
@@ -53,7 +54,7 @@ def cmd_sweep(args) -> int:
     refuse_to_overwrite(args.checkpoint, args.force)
     check_output(args.output)
     if args.checkpoint is not None and not format_of(args.checkpoint).holds_code:
-        raise SystemExit("flowvm: a sweep saves pickle checkpoints (.ckpt): its trials' results hold models")
+        raise UsageError("a sweep saves pickle checkpoints (.ckpt): its trials' results hold models")
     module = load_module(args.target)
     fixed = parse_sets(args.set, module.build)
     if args.data is not None:
@@ -66,7 +67,7 @@ def cmd_sweep(args) -> int:
         program = sweep.search(module.__name__.removeprefix("flowvm.programs."), args.space, args.trials, args.metric,
                                args.minimize, fixed, executor, args.seed)
     except (ValueError, TypeError, ImportError) as err:
-        raise SystemExit(f"flowvm: sweep: {err}") from err
+        raise UsageError(f"sweep: {err}") from err
     drv = program.start()
     meta = {"target": "sweep", "module": sweep.__name__, "search": {"program": args.target, "space": args.space,
             "metric": args.metric, "minimize": args.minimize, "sets": list(args.set), "trials": args.trials},
@@ -93,7 +94,7 @@ def cmd_plot(args) -> int:
     history = meta.get("history") or {}
     names = args.names or [n for n in history.get("names", []) if history.get("points", {}).get(n)]
     if not names:
-        raise SystemExit(f"flowvm: {args.path} holds no history (runs of the flowvm command record their SHOW "
+        raise UsageError(f"{args.path} holds no history (runs of the flowvm command record their SHOW "
                          "registers, and those named with --history)")
     target = meta.get("target", "")
     plot_history(history, names, args.output, title=f"{Path(str(target)).stem or target} ({args.path})",

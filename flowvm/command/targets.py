@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import math
 import importlib
 import importlib.util
 import inspect
@@ -15,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from ..program.elements import Element
-from ..base.errors import DataError
+from ..base.errors import UsageError, DataError
 
 
 # ------------------------------------------------------------------ targets
@@ -33,6 +34,9 @@ def load_module(target: str) -> ModuleType:
     """Import a program module from a bundled name, a module name or a .py path."""
     if is_file(target):
         return _load_file(Path(target))
+    if not target or not all(part.isidentifier() for part in target.split(".")):
+        raise UsageError(f"no program {target!r}: give a bundled program (`flowvm list`), a module name or a .py "
+                         "file")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())  # a module in the current directory, as `python -m` would find it
     for name in (f"flowvm.programs.{target}", target):
@@ -40,21 +44,21 @@ def load_module(target: str) -> ModuleType:
             return importlib.import_module(name)
         except ModuleNotFoundError as err:
             if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
-                raise SystemExit(_missing(name, err)) from err
-    raise SystemExit(f"flowvm: no program {target!r} (try `flowvm list`, a module name or a .py file)")
+                raise UsageError(_missing(name, err)) from err
+    raise UsageError(f"no program {target!r} (try `flowvm list`, a module name or a .py file)")
 
 
 def _missing(program: str, err: ModuleNotFoundError) -> str:
     """The message for a program whose own imports fail."""
     hint = "pip install 'flowvm[torch]'" if err.name == "torch" else f"install the package that provides {err.name}"
-    return f"flowvm: {program} needs the module {err.name!r}, which is not installed ({hint})"
+    return f"{program} needs the module {err.name!r}, which is not installed ({hint})"
 
 
 def _load_file(path: Path) -> ModuleType:
     """A program file, imported under its file name so that its objects pickle by reference."""
     path = path.resolve()
     if not path.is_file():
-        raise SystemExit(f"flowvm: no such program file: {path}")
+        raise UsageError(f"no such program file: {path}")
     bundled = _bundled_path(path.stem)
     if bundled is not None and bundled == path:
         return importlib.import_module(f"flowvm.programs.{path.stem}")
@@ -63,7 +67,7 @@ def _load_file(path: Path) -> ModuleType:
     if loaded is not None:
         if getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == path:
             return loaded
-        raise SystemExit(f"flowvm: cannot load {path}: a module named {name!r} is already imported from "
+        raise UsageError(f"cannot load {path}: a module named {name!r} is already imported from "
                          f"{getattr(loaded, '__file__', 'elsewhere')}; rename the file")
     directory = str(path.parent)
     if directory not in sys.path:
@@ -75,7 +79,7 @@ def _load_file(path: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except ModuleNotFoundError as err:
         del sys.modules[name]
-        raise SystemExit(_missing(str(path), err)) from err
+        raise UsageError(_missing(str(path), err)) from err
     except BaseException:
         del sys.modules[name]
         raise
@@ -100,7 +104,7 @@ def _options(build) -> tuple[dict, bool]:
 
 def _check_name(name: str, params: dict, takes_any: bool) -> None:
     if name not in params and not takes_any:
-        raise SystemExit(f"flowvm: the program has no option {name!r}; options: {', '.join(params) or 'none'}")
+        raise UsageError(f"the program has no option {name!r}; options: {', '.join(params) or 'none'}")
 
 
 def _as_option(name: str, text: str, default: Any) -> Any:
@@ -111,13 +115,15 @@ def _as_option(name: str, text: str, default: Any) -> Any:
         value = text
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise SystemExit(f"flowvm: option {name!r} is True or False, got {text!r}")
+            raise UsageError(f"option {name!r} is True or False, got {text!r}")
     elif isinstance(default, int) and (isinstance(value, bool) or not isinstance(value, int)):
-        raise SystemExit(f"flowvm: option {name!r} takes an int (default {default}), got {text!r}")
+        raise UsageError(f"option {name!r} takes an int (default {default}), got {text!r}")
     elif isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SystemExit(f"flowvm: option {name!r} takes a number (default {default}), got {text!r}")
+            raise UsageError(f"option {name!r} takes a number (default {default}), got {text!r}")
         value = float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UsageError(f"option {name!r} takes a finite number, got {text!r}")
     elif isinstance(default, str):
         value = value if isinstance(value, str) else text  # 'adam' (a quoted literal) or adam
     return value
@@ -135,9 +141,9 @@ def parse_sets(pairs: list[str], build) -> dict[str, Any]:
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep:
-            raise SystemExit(f"flowvm: --set expects name=value, got {pair!r}")
+            raise UsageError(f"--set expects name=value, got {pair!r}")
         if not name.isidentifier():
-            raise SystemExit(f"flowvm: --set expects name=value with a Python name, got {pair!r}")
+            raise UsageError(f"--set expects name=value with a Python name, got {pair!r}")
         _check_name(name, params, takes_any)
         default = params[name].default if name in params else None  # through **options: taken as written
         options[name] = _as_option(name, text, default)
@@ -149,7 +155,7 @@ def build_program(target: str, sets: list[str], values: dict[str, Any] | None = 
     (options given as values, such as --data's path: passed as they are, never parsed)."""
     module = load_module(target)
     if not callable(getattr(module, "build", None)):
-        raise SystemExit(f"flowvm: {module.__name__} has no build() function")
+        raise UsageError(f"{module.__name__} has no build() function")
     options = parse_sets(sets, module.build)
     params, takes_any = _options(module.build)
     for name, value in (values or {}).items():
@@ -159,15 +165,26 @@ def build_program(target: str, sets: list[str], values: dict[str, Any] | None = 
         program = module.build(**options)
     except DataError as err:  # the user's data, refused: flowvm's own error (status 2), the data named
         raise DataError(f"{_program_name(target, module)}: {err}") from None
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, MemoryError, RuntimeError) as err:
         given = " ".join([f"--set {s}" for s in sets] + [f"--{k} {v}" for k, v in (values or {}).items()])
-        raise SystemExit(f"flowvm: {_program_name(target, module)}: build() rejected {given or 'its defaults'}: "
+        if isinstance(err, RuntimeError) and not _out_of_memory(err):
+            raise
+        if isinstance(err, (MemoryError, RuntimeError)):
+            raise UsageError(f"{_program_name(target, module)}: build() with {given or 'its defaults'} needs more "
+                             f"memory than this machine has ({str(err).strip().splitlines()[-1][:200]})") from err
+        raise UsageError(f"{_program_name(target, module)}: build() rejected {given or 'its defaults'}: "
                          f"{type(err).__name__}: {err}") from err
     if not isinstance(program, Element):
         where = getattr(module, "__file__", None) or module.__name__
-        raise SystemExit(f"flowvm: build() in {where} returned {type(program).__name__} {program!r:.60}, "
+        raise UsageError(f"build() in {where} returned {type(program).__name__} {program!r:.60}, "
                          "not a flowvm program (an element such as SEQ([...]))")
     return module, program
+
+
+def _out_of_memory(err: RuntimeError) -> bool:
+    """torch's allocator failing (a RuntimeError, not a MemoryError)."""
+    text = str(err)
+    return "can't allocate memory" in text or "not enough memory" in text or "out of memory" in text.lower()
 
 
 def _program_name(target: str, module: ModuleType) -> str:

@@ -15,6 +15,7 @@ import time
 import pytest
 
 import flowvm
+from flowvm.base.errors import UsageError
 from flowvm.command.targets import bundled_programs, parse_sets
 from flowvm.command.runner import short_value, static_steps
 from flowvm.programs import pca
@@ -90,7 +91,7 @@ def test_a_user_program_file_with_lambdas_runs_pauses_and_resumes(tmp_path, monk
 ])
 def test_bad_set_options_are_named(pair, words):
     out = flowvm_cmd("run", "pca", "--set", pair, check=False)
-    assert out.returncode == 1 and words in out.stderr
+    assert out.returncode == 2 and words in out.stderr
 
 
 def test_parse_sets_converts_to_the_default_type():
@@ -99,9 +100,9 @@ def test_parse_sets_converts_to_the_default_type():
 
     assert parse_sets(["lr=1", "name=42", "n=7", "flag=True", "anything=[1, 2]"], build) == {
         "lr": 1.0, "name": "42", "n": 7, "flag": True, "anything": [1, 2]}
-    with pytest.raises(SystemExit, match="'flag' is True or False"):
+    with pytest.raises(UsageError, match="'flag' is True or False"):
         parse_sets(["flag=1"], build)
-    with pytest.raises(SystemExit, match="'lr' takes a number"):
+    with pytest.raises(UsageError, match="'lr' takes a number"):
         parse_sets(["lr=fast"], build)
     assert parse_sets(["name='adam'"], build) == parse_sets(["name=adam"], build) == {"name": "adam"}
 
@@ -112,15 +113,15 @@ def test_parse_sets_passes_any_option_to_a_build_taking_keyword_arguments():
 
     assert parse_sets(["n=5", "width=7", "mode=fast", "shape=(2, 3)"], build) == {
         "n": 5, "width": 7, "mode": "fast", "shape": (2, 3)}
-    with pytest.raises(SystemExit, match="'n' takes an int"):
+    with pytest.raises(UsageError, match="'n' takes an int"):
         parse_sets(["n=x"], build)
-    with pytest.raises(SystemExit, match="a Python name"):
+    with pytest.raises(UsageError, match="a Python name"):
         parse_sets(["my-option=1"], build)
 
     def strict(n=3, *args):
         pass
 
-    with pytest.raises(SystemExit, match="no option 'args'; options: n"):
+    with pytest.raises(UsageError, match="no option 'args'; options: n"):
         parse_sets(["args=1"], strict)
 
 
@@ -128,7 +129,7 @@ def test_run_refuses_to_replace_a_file_that_is_no_checkpoint_unless_forced(tmp_p
     notes = tmp_path / "notes.txt"
     notes.write_text("precious\n")
     out = flowvm_cmd("run", "pca", "--set", "batches=2", "--checkpoint", notes, check=False)
-    assert out.returncode == 1 and f"{notes} exists and is not a flowvm checkpoint" in out.stderr
+    assert out.returncode == 2 and f"{notes} exists and is not a flowvm checkpoint" in out.stderr
     assert notes.read_text() == "precious\n"
     flowvm_cmd("run", "pca", "--set", "batches=2", "--checkpoint", notes, "--force", "--progress", "none")
     assert flowvm.read_header(notes)["done"]
@@ -136,17 +137,17 @@ def test_run_refuses_to_replace_a_file_that_is_no_checkpoint_unless_forced(tmp_p
 
 def test_unknown_targets_and_missing_files_are_named(tmp_path):
     out = flowvm_cmd("run", "no_such_program_anywhere", check=False)
-    assert out.returncode == 1 and "no program 'no_such_program_anywhere'" in out.stderr
+    assert out.returncode == 2 and "no program 'no_such_program_anywhere'" in out.stderr
     (tmp_path / "needs.py").write_text("import not_a_real_module_xyz\n\ndef build():\n    pass\n")
     out = flowvm_cmd("run", tmp_path / "needs.py", check=False)
-    assert out.returncode == 1 and "needs.py needs the module 'not_a_real_module_xyz', which is not installed" \
+    assert out.returncode == 2 and "needs.py needs the module 'not_a_real_module_xyz', which is not installed" \
         in out.stderr and "Traceback" not in out.stderr
     out = flowvm_cmd("run", tmp_path / "missing.py", check=False)
-    assert out.returncode == 1 and "no such program file" in out.stderr
+    assert out.returncode == 2 and "no such program file" in out.stderr
     out = flowvm_cmd("run", "pca", "--every", 10, check=False)
-    assert out.returncode == 1 and "--every and --every-seconds need --checkpoint PATH" in out.stderr
+    assert out.returncode == 2 and "--every and --every-seconds need --checkpoint PATH" in out.stderr
     out = flowvm_cmd("run", "pca", "--checkpoint", tmp_path / "nodir" / "x.ckpt", check=False)
-    assert out.returncode == 1 and "no directory" in out.stderr
+    assert out.returncode == 2 and "no directory" in out.stderr
     out = flowvm_cmd("resume", tmp_path / "missing.ckpt", check=False)
     assert out.returncode == 2 and "missing.ckpt': no such file" in out.stderr
 
@@ -473,3 +474,37 @@ def test_show_of_a_state_file_of_a_torch_run_does_not_import_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True, timeout=120)
     assert done.stderr.strip().splitlines()[-1] == "torch imported: False 0", done.stderr
     assert "30" in done.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["run", ".."], "no program '..'"),
+    (["run", ""], "no program ''"),
+    (["run", "pca", "--every", "0"], "--every must be >= 1"),
+    (["run", "mlp", "--set", "lr=1e999"], "option 'lr' takes a finite number, got '1e999'"),
+    (["run", "mlp", "--set", "lr=nan"], "option 'lr' takes a"),
+    (["run", "mlp", "--set", "hidden=4000000"], "mlp: build() with --set hidden=4000000 needs more memory than"),
+    (["run", "rbm", "--set", "side=100000"], "rbm: build() with --set side=100000 needs more memory than"),
+    (["run", "mlp", "--set", "workers=100000"], "workers=100000 is more than this machine can run usefully"),
+])
+def test_every_bad_input_is_one_line_and_status_2(args, words):
+    out = flowvm_cmd(*args, check=False)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and lines[0].startswith("flowvm: "), out.stderr
+
+
+def test_an_output_the_program_cannot_give_is_refused_before_the_first_step(tmp_path):
+    (tmp_path / "nomodel.py").write_text(textwrap.dedent('''\
+        from flowvm import CALL, REPEAT, Registers
+
+        def touch(path):
+            open(path, "w").close()
+
+        def build(path=""):
+            return REPEAT(3, CALL(touch, path))
+    '''))
+    marker = tmp_path / "stepped"
+    out = flowvm_cmd("run", tmp_path / "nomodel.py", "--set", f"path={str(marker)!r}", "--output",
+                     tmp_path / "m.npz", check=False)
+    assert out.returncode == 2 and "--output" in out.stderr and "gives no model" in out.stderr
+    assert not marker.exists()

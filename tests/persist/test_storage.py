@@ -341,7 +341,7 @@ def test_sigkill_during_s3_uploads_never_leaves_a_partial_checkpoint(s3, tmp_pat
 
         if fs.exists(f"{bucket}/{key}"):
             out = flowvm_cmd("run", tmp_path / "bigreg.py", *sets, "--checkpoint", url, check=False)
-            assert out.returncode == 1 and "holds an unfinished run" in out.stderr  # never replaced silently
+            assert out.returncode == 2 and "holds an unfinished run" in out.stderr  # never replaced silently
             out = flowvm_cmd("resume", url, *every)  # in a fresh process
         else:
             out = flowvm_cmd("run", tmp_path / "bigreg.py", *sets, "--checkpoint", url, *every)
@@ -364,9 +364,9 @@ def test_sigkill_during_s3_uploads_never_leaves_a_partial_checkpoint(s3, tmp_pat
 def test_the_command_checks_a_url_before_running(s3, tmp_path):
     bucket, _ = s3
     out = flowvm_cmd("run", "pca", "--checkpoint", "s3://no-such-bucket-xyz/run.ckpt", check=False)
-    assert out.returncode == 1 and "--checkpoint s3://no-such-bucket-xyz/run.ckpt: no such bucket" in out.stderr
+    assert out.returncode == 2 and "--checkpoint s3://no-such-bucket-xyz/run.ckpt: no such bucket" in out.stderr
     out = flowvm_cmd("run", "pca", "--checkpoint", f"s3://{bucket}/", check=False)
-    assert out.returncode == 1 and "names a bucket or a directory" in out.stderr
+    assert out.returncode == 2 and "names a bucket or a directory" in out.stderr
     out = flowvm_cmd("resume", f"s3://{bucket}/missing.ckpt", check=False)
     assert out.returncode == 2 and f"checkpoint 's3://{bucket}/missing.ckpt': no such object" in out.stderr
     url = f"s3://{bucket}/pca.ckpt"
