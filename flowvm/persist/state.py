@@ -53,11 +53,11 @@ from .checkpoint import _key_bytes
 from .pickler import GRAPH_REASON
 from .statefile import FORMAT, MAC, checksum_name, digests, read_state, views_of, write
 from .stateframes import LARGEST, check_frame
-from .stateobjects import encode_object, roots
+from .stateobjects import encode_object, has_state_dict, roots
 from .staterestore import check_program_objects, restore_object
 from .statedecoder import Decoder
 from .stateshow import SavedArray, SavedObject, malformed, pairs as _pairs, show_state  # noqa: F401  (flowvm.persist.state.SavedObject, show_state)
-from .statevalues import Encoder, Refused
+from .statevalues import MISSING, Encoder, Refused
 
 __all__ = ["save_state", "load_state", "read_state_header", "show_state", "read_state", "collect", "compare",
            "structure", "SavedObject", "SUFFIX", "FORMAT"]
@@ -144,7 +144,7 @@ def _encode_run(enc: Encoder, driver) -> tuple[dict, RunState]:
     """The objects, registers, run and environment parts of driver's state (encoded), and its snapshot."""
     objects = [[loc, enc.value(obj, f"objects/{loc}")] for loc, obj in roots(driver.program)]
     enc.objects_allowed = False
-    registers = [[name, enc.value(v, f"registers/{name}")] for name, v in driver.registers.items()]
+    registers = [[name, _register(enc, name, v)] for name, v in driver.registers.items()]
     state = driver.snapshot()
     run = {"steps": state.steps, "done": state.done, "ready": state.ready, "rotate": state.rotate,
            "fresh": state.fresh, "result": enc.value(state.result, "run/result"),
@@ -156,6 +156,18 @@ def _encode_run(enc: Encoder, driver) -> tuple[dict, RunState]:
     env = state.environment
     environment = {"random": enc.value(env["random"], "environment/random"), "settings": env["settings"]}
     return {"objects": objects, "registers": registers, "run": run, "environment": environment}, state
+
+
+def _register(enc: Encoder, name: str, value: Any) -> Any:
+    """A register's node: plain data, or an object with state_dict() (a model, an optimizer), whose state is
+    loaded into the object the rebuilt program's register holds (``Registers(model=net)`` in build())."""
+    if not has_state_dict(value):
+        return enc.value(value, f"registers/{name}")
+    allowed, enc.objects_allowed = enc.objects_allowed, True
+    try:
+        return enc.value(value, f"registers/{name}")
+    finally:
+        enc.objects_allowed = allowed
 
 
 def _frames(enc: Encoder, chain: list, base: tuple) -> list:
@@ -231,7 +243,9 @@ def _restore(loaded, program: Element, path: Any, allowed: dict):
     if type(objects) is not list:
         raise CheckpointError(path, "malformed: the objects table cannot be read")
     check_program_objects(dec, objects, drv.program, path)
-    registers = [(name, dec.value(node, f"registers/{name}")) for name, node in _pairs(parts["registers"], path)]
+    built = dict(drv.registers)  # a model or optimizer build() put in a register takes its saved state
+    registers = [(name, dec.restore(built.get(name, MISSING) if has_state_dict(built.get(name)) else MISSING, node,
+                                    f"registers/{name}")) for name, node in _pairs(parts["registers"], path)]
     drv.registers.clear()
     drv.registers.update(registers)
     run = parts["run"]

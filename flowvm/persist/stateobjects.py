@@ -228,8 +228,8 @@ def _refuse_unheld(enc: Encoder, v: Any, where: str) -> None:
                       "registers and a run's frames hold plain data (None, bools, numbers, strings, bytes, "
                       "arrays, tensors, and lists, tuples, dicts and sets of these), random generators and "
                       "objects whose attributes are such data; an object with state_dict() is restored into the "
-                      "one the rebuilt program has, so it must be reached by a CALL (its fn, the self of its "
-                      "method, or an argument)")
+                      "one the rebuilt program has, so it must be a register's own value (Registers(model=net)) "
+                      "or be reached by a CALL (its fn, the self of its method, or an argument)")
 
 
 def _encode_attributes(enc: Encoder, v: Any, where: str) -> dict:
