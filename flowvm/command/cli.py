@@ -34,12 +34,15 @@ would collapse its ``//``, and is read and checked through flowvm.persist.storag
 from __future__ import annotations
 
 import argparse
+import contextlib
+import warnings
 import os
 import signal
 import sys
 
 from ..persist.formats import PICKLE, format_of
 from ..base.errors import UsageError, CheckpointError, FlowError, StoppedDuringStartup
+from ..base.tracebacks import format_user_error
 from .targets import build_program, bundled_programs, recorded
 from .common import KEY_ENV, check_checkpoint_path, check_model, check_output, checkpoint_location, finish, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, start_program, trusted_header, write_model
 from .runner import DEFAULT_EVERY_SECONDS, Stop, static_steps
@@ -82,7 +85,7 @@ def cmd_resume(args) -> int:
     module = module_of(meta)
     if meta.get("executor") == "dask":  # a sweep's trials ran on a Dask cluster: one again, under that name
         start_dask(meta.get("scheduler"), meta.get("versions") or "error")
-    set_threads(args.threads)
+    set_threads(args.threads if args.threads is not None else meta.get("threads"))  # as the run had it
     if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
         args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
     else:
@@ -265,7 +268,7 @@ def _list_parser(sub) -> None:
 def main(argv: list[str] | None = None, early_signals: list[int] | None = None) -> int:
     """The flowvm command.  From its first line SIGINT and SIGTERM stop a run at a step boundary, save it
     and say so (early_signals: those the entry point, flowvm_cli, saw while flowvm was being imported)."""
-    with Stop(early_signals) as stop:
+    with Stop(early_signals) as stop, _warnings_as_lines():
         try:
             if stop.signal is not None:
                 raise StoppedDuringStartup(stop.signal)
@@ -277,6 +280,30 @@ def main(argv: list[str] | None = None, early_signals: list[int] | None = None) 
         if args.command not in ("run", "resume", "sweep"):  # nothing to stop at a step boundary
             stop.restore()
         return _call(args)
+
+
+@contextlib.contextmanager
+def _warnings_as_lines():
+    """flowvm's own warnings as one line each on stderr, in the command's words (no source line of flowvm's, no
+    hint of the Python API where the command has an option)."""
+    from ..base.errors import CopyWarning, FusionWarning, SettingsWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, (SettingsWarning, CopyWarning, FusionWarning)):
+            return shown(message, category, filename, lineno, file, line)
+        text = str(message).removeprefix("flowvm: ")
+        if issubclass(category, SettingsWarning):
+            text = text.replace("drv.resume_with(settings=False) keeps the process's own.",
+                                "--keep-settings keeps this process's own.")
+        print(f"flowvm: warning: {text}", file=sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _check_counts(args) -> None:
@@ -312,6 +339,9 @@ def _call(args) -> int:
         for note in getattr(err, "__notes__", ()):
             print(note, file=sys.stderr)
         raise
+    except Exception as err:  # the program's own error: its frames, not the machine's, and where it happened
+        print(format_user_error(err), end="", file=sys.stderr)
+        return 1
 
 
 def _stopped_during_startup(signum: int) -> int:

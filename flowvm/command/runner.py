@@ -179,8 +179,9 @@ class Runner:
     def progress_line(self) -> str:
         drv = self.drv
         of = f"/{self.total}" if self.total else ""
-        rate = (drv.steps - self.start_step) / max(time.monotonic() - self.start_time, 1e-9)
-        return f"step {drv.steps}{of} ({rate:.0f} steps/s) {shown(drv, self.show)}".rstrip()
+        taken = drv.steps - self.start_step
+        rate = f" ({taken / max(time.monotonic() - self.start_time, 1e-9):.0f} steps/s)" if taken else ""
+        return f"step {drv.steps}{of}{rate} {shown(drv, self.show)}".rstrip()
 
     def run(self, max_steps: int | None = None) -> int:
         """Run until done, max_steps more steps or a signal; return the exit status.  While it runs, it
@@ -196,9 +197,9 @@ class Runner:
             if self.ckpt is not None else False
         self.start_step, self.start_time = drv.steps, time.monotonic()
         limit = None if max_steps is None else drv.steps + max_steps
+        history = History(drv, self.meta, self.history_names, self.tensorboard)  # (a missing TensorBoard: said first)
         self.bar = self._start_progress()
         self.last_line, self.chunk = time.monotonic(), 1
-        history = History(drv, self.meta, self.history_names, self.tensorboard)
         with contextlib.nullcontext(self.stop) if self.stop is not None else Stop(running=True) as stop, \
                 contextlib.closing(history):
             stop.running = True  # from here a signal stops the run at a step boundary, saved

@@ -22,7 +22,7 @@ def cmd_resume_state(args) -> int:
     header, key = trusted_header(args, args.path)
     meta = dict(header.get("meta") or {})
     module, program = _rebuild(args, meta)
-    set_threads(args.threads)
+    set_threads(args.threads if args.threads is not None else meta.get("threads"))  # as the run had it
     if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
         args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
     meta.update(every=args.every, every_seconds=args.every_seconds,

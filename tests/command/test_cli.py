@@ -508,3 +508,31 @@ def test_an_output_the_program_cannot_give_is_refused_before_the_first_step(tmp_
                      tmp_path / "m.npz", check=False)
     assert out.returncode == 2 and "--output" in out.stderr and "gives no model" in out.stderr
     assert not marker.exists()
+
+
+def test_a_programs_error_shows_its_own_frames_and_where_it_happened(tmp_path):
+    (tmp_path / "boom.py").write_text(textwrap.dedent('''\
+        from flowvm import CALL, REPEAT, SEQ, Registers
+
+        def inner(x):
+            return 1 / x
+
+        def step(x):
+            return inner(x - 3)
+
+        def bump(x):
+            return x + 1
+
+        def build():
+            reg = Registers(x=0)
+            return REPEAT(5, SEQ([CALL(step, reg('x')), CALL(bump, reg('x'), store_to=reg('x'))]))
+    '''))
+    out = flowvm_cmd("run", tmp_path / "boom.py", "--checkpoint", tmp_path / "b.ckpt", "--progress", "none",
+                     check=False)
+    assert out.returncode == 1
+    err = out.stderr
+    assert err.startswith("Traceback (most recent call last):\n") and "ZeroDivisionError: division by zero" in err
+    assert 'boom.py", line 7, in step' in err and 'boom.py", line 4, in inner' in err
+    assert "flowvm/" not in err.replace("flowvm: ", "") and "<flowvm" not in err, err  # none of the machine's frames
+    assert "flowvm: while running CALL step(x) at path '0.0' (step 7)" in err
+    assert "the run is saved at step 6" in err
