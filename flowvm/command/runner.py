@@ -28,7 +28,7 @@ from ..persist.storage import read_start
 from ..machine.driver import Driver
 from ..program.analysis import static_steps
 from ..base import interrupts
-from ..base.errors import CheckpointError, StoppedDuringStartup
+from ..base.errors import CheckpointError, CopyError, StoppedDuringStartup
 
 DEFAULT_EVERY_SECONDS = 60.0
 _MAX_CHUNK = 1 << 20  # steps per driver.run() call, at most
@@ -125,10 +125,15 @@ class Runner:
         """Save the run, first stepping on to a step it resumes from exactly (see ``exact``); with
         step_on=False (after a step failed), a run that is not copyable now is not saved (CopyError)."""
         if self.ckpt is not None:
-            if step_on and not self.exact(periodic):
-                return
             try:
-                self.write()
+                try:
+                    self.write()
+                except CopyError as refused:  # a live autograd graph (the save's pickling found it, writing nothing)
+                    if not step_on or refused.where is None or "autograd graph" not in refused.reason:
+                        raise
+                    if not self.exact(periodic, refused):
+                        return
+                    self.write()
             except CheckpointError as err:  # a full disk, a quota, ...: the last checkpoint stays as it is
                 reason = err.reason.removesuffix("; the file there is as it was")
                 failed = CheckpointError(self.ckpt, f"{reason}; {self.kept()}")
@@ -136,12 +141,13 @@ class Runner:
                 raise failed from err
             self.saved_step, self.saved_time, self.written = self.drv.steps, time.monotonic(), True
 
-    def exact(self, periodic: bool = False) -> bool:
+    def exact(self, periodic: bool = False, first: CopyError | None = None) -> bool:
         """Step on until a copy of the run resumes exactly (Driver.run_to_copyable), for at most WAIT_SECONDS,
         and say so when it had to; True when the run may be saved now.  Past the limit, a periodic save is
-        skipped (False, said) and any other is a CheckpointError that keeps the last checkpoint."""
+        skipped (False, said) and any other is a CheckpointError that keeps the last checkpoint.  ``first``:
+        the refusal a save already met (else the run is asked, at the cost of a pickling without its arrays)."""
         drv = self.drv
-        first = drv.copyable()
+        first = first or drv.copyable()
         if first is None:
             return True
         start, t0 = drv.steps, time.monotonic()
