@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..base.errors import RegisterError, SwitchError
+from ..base.tracebacks import user_traceback
 from ..program.elements import REPEAT, SEQ, WEAVE
 from ..program.paths import format_path
 from . import fastpaths
@@ -149,7 +150,8 @@ class Engine:
             new.__cause__, new.__suppress_context__ = err, True
             err = new
         self._annotate(err, "running")
-        return err
+        mine = user_traceback(err.__traceback__)  # the program's own frames, not the machine's that called it
+        return err if mine is None else err.with_traceback(mine)
 
     def _annotate(self, err: BaseException, doing: str) -> None:
         try:
