@@ -122,6 +122,22 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_optimize(args) -> int:
+    """Print the program after flowvm.optimize, and with --explain why each run of torch CALLs was fused or
+    not (flowvm.passes.explain)."""
+    from ..passes.registry import optimize
+
+    _, program = build_program(args.target, args.set)
+    fast = optimize(program)
+    print(fast)
+    if args.explain:
+        from ..passes.explain import explain_fusion
+
+        print("\n# why (fuse-torch):")
+        print(explain_fusion(program))
+    return 0
+
+
 def cmd_list(args) -> int:
     found = bundled_programs()
     width = max([10] + [len(name) for name, _, _ in found])
@@ -221,6 +237,12 @@ def _verify_parser(sub) -> None:
     verify.add_argument("target", help=TARGET_HELP)
     verify.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=SET_HELP)
     verify.set_defaults(func=cmd_verify)
+    optimize = sub.add_parser("optimize", help="print a program as flowvm.optimize rewrites it (fused torch steps)")
+    optimize.add_argument("target", help=TARGET_HELP)
+    optimize.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=SET_HELP)
+    optimize.add_argument("--explain", action="store_true",
+                          help="say for each SEQ why its CALLs were fused into one step, or why not")
+    optimize.set_defaults(func=cmd_optimize)
 
 
 

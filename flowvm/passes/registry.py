@@ -151,7 +151,7 @@ def _resolve(spec: Any) -> tuple[Pass, dict]:
 
 
 def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool = False,
-             options: Mapping[str, Mapping[str, Any]] | None = None) -> Element:
+             options: Mapping[str, Mapping[str, Any]] | None = None, explain: bool = False) -> Element:
     """Run the passes (default: ``DEFAULT_PIPELINE``) over program and return the new program.
 
     ``passes`` items are registered names, Pass objects, functions
@@ -159,7 +159,8 @@ def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool 
     ``options`` maps a pass name to keyword options for it (merged under the
     pair's own).  With ``debug=True`` the program is verified before the
     first pass and after each one; a failure raises PassError naming the pass
-    and the faulty path.  An exception inside a pass gets a note naming it.
+    and the faulty path.  An exception inside a pass gets a note naming it.  With ``explain=True`` it prints
+    why fuse-torch fused each run of torch CALLs and why not the other CALLs (flowvm.passes.explain).
     """
     if not isinstance(program, Element):
         raise TypeError(f"optimize expects a flowvm program (an element), got {type(program).__name__}")
@@ -178,6 +179,10 @@ def optimize(program: Element, passes: Iterable[Any] | None = None, debug: bool 
             ctx.pass_name = p.name
             _check_options(p, merged)
             current = _run_pass(p, current, merged, debug)
+        if explain:
+            from .explain import explain_fusion
+
+            print(explain_fusion(program))
         # a new program even when no pass changed anything: editing it leaves the original alone
         return copy.copy(current) if current is program else current
     finally:
