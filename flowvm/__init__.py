@@ -51,6 +51,7 @@ from .editing.namespaces import isolate, template
 from .views.dot import to_dot, to_mermaid
 from .views.source import from_source, to_source
 from .passes import list_passes, optimize, register_pass
+from .passes.explain import explain_fusion, fused_steps
 from .fused import FUSED, fusable
 from .processes.leaves import POPEN, SPAWN
 from .processes.named import register_executor
@@ -70,7 +71,7 @@ __all__ = [
     "Leaf", "Register", "Registers", "INCOMPLETE", "PENDING", "Driver",
     "verify", "save", "load", "read_header", "save_state", "load_state",
     "FlowError", "VerifyError", "CheckpointError", "CopyError", "RegisterError", "SwitchError",
-    "optimize", "list_passes", "register_pass", "PassError", "UnknownPassError", "FUSED", "fusable",
+    "optimize", "list_passes", "register_pass", "explain_fusion", "fused_steps", "PassError", "UnknownPassError", "FUSED", "fusable",
     "POPEN", "SPAWN", "CommandError", "SpawnError", "SpawnTimeout", "SpawnVersionError",
     "SpawnVersionWarning", "register_executor",
     "CopyWarning", "FusionWarning", "SettingsWarning",

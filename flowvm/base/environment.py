@@ -12,7 +12,7 @@ torch's CPU generator (``torch.manual_seed``) and, when CUDA is initialized, eve
 
 A copy resumed in a process that has not imported torch (a numpy-only resume must not pay for torch's import)
 still sets torch's generator states and settings: when the run, a library or the user imports torch later,
-a finder on ``sys.meta_path`` (``_TorchArrival``) sets them as soon as torch's own import ends, as long as the
+a finder on ``sys.meta_path`` (flowvm.base.torcharrival) sets them as soon as torch's own import ends, as long as the
 driver that carries them runs (not finished, not collected).  ``capture_random`` and ``capture_settings`` count
 them as this process's until then, so a copy of that copy carries them on.
 
@@ -45,6 +45,8 @@ import warnings
 from typing import Any
 
 from .errors import CheckpointError, SettingsWarning
+from . import torcharrival
+from .torcharrival import defer, deferred_part
 
 __all__ = ["capture_random", "check_random", "apply_random", "capture_settings", "check_settings",
            "apply_settings", "SETTINGS", "SettingsWarning"]
@@ -62,7 +64,7 @@ def capture_random() -> dict:
         state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
     torch = sys.modules.get("torch")
     if torch is None:
-        state.update(_deferred_part("random"))  # what torch gets when it is imported
+        state.update(deferred_part("random"))  # what torch gets when it is imported
     else:
         state["torch"] = bytes(torch.get_rng_state().numpy())
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -151,7 +153,7 @@ def apply_random(state: dict, owner: Any = None) -> None:
         _set_random(before)
         raise
     if "torch" not in sys.modules:
-        _defer("random", {k: state[k] for k in ("torch", "torch_cuda") if k in state}, owner)
+        defer("random", {k: state[k] for k in ("torch", "torch_cuda") if k in state}, owner)
 
 
 def _set_random(state: dict) -> None:
@@ -164,10 +166,11 @@ def _set_random(state: dict) -> None:
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch = sys.modules.get("torch")
     if torch is not None:
-        _set_torch_random(torch, state)
+        set_torch_random(torch, state)
 
 
-def _set_torch_random(torch, state: dict) -> None:
+def set_torch_random(torch, state: dict) -> None:
+    """Set torch's generators (CPU, and CUDA where available) to their parts of a random state."""
     if "torch" in state:
         torch.set_rng_state(_torch_tensor(state["torch"]))
         if "torch_cuda" in state and torch.cuda.is_available():
@@ -212,7 +215,7 @@ def capture_settings() -> dict:
     """This process's values of the settings that change results (those of the libraries imported)."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return dict(_deferred_part("settings"))  # what torch gets when it is imported
+        return dict(deferred_part("settings"))  # what torch gets when it is imported
     return {name: get(torch) for name, (get, _, present) in SETTINGS.items() if present is None or present(torch)}
 
 
@@ -253,7 +256,7 @@ def apply_settings(settings: dict, announce: bool = True, owner: Any = None) -> 
     now); with announce, a SettingsWarning names them before any is set."""
     torch = sys.modules.get("torch")
     if torch is None:
-        _defer("settings", {"values": dict(settings), "announce": announce} if settings else {}, owner)
+        defer("settings", {"values": dict(settings), "announce": announce} if settings else {}, owner)
         return {}
     if not settings:
         return {}
@@ -304,109 +307,12 @@ def global_generator_name(obj: Any) -> str | None:
     return None
 
 
-# ----------------------------------------------------- torch imported after a copy's first step
-# What torch gets when it is imported: {"random": {"torch": bytes, "torch_cuda": [...]}, "settings": {"values":
-# {...}, "announce": bool}, "owner": a weak reference to the driver that carries them, or None}.  Each part is
-# replaced by the next apply_random / apply_settings made while torch is not imported.
-_DEFERRED: dict = {}
-
-
-def _defer(part: str, value: dict, owner: Any) -> None:
-    import weakref
-
-    if owner is not None:
-        if _DEFERRED.get("owner") is not None and _DEFERRED["owner"]() is not owner:
-            _DEFERRED.clear()  # another driver's copy starts: the environment is its
-        _DEFERRED["owner"] = weakref.ref(owner)
-    if value:
-        _DEFERRED[part] = value
-    else:
-        _DEFERRED.pop(part, None)
-    if _DEFERRED.keys() - {"owner"}:
-        _TorchArrival.install()
-    else:
-        _DEFERRED.clear()
-        _TorchArrival.remove()
-
-
-def _deferred_part(part: str) -> dict:
-    """The deferred random states (part "random") or settings ("settings") while their driver runs, else {}."""
-    if part not in _DEFERRED or not _deferral_alive():
-        return {}
-    return _DEFERRED[part]["values"] if part == "settings" else _DEFERRED[part]
-
-
-def _deferral_alive() -> bool:
-    ref = _DEFERRED.get("owner")
-    if ref is None:
-        return True
-    drv = ref()
-    return drv is not None and not getattr(drv, "done", False)
-
-
-def _torch_arrived(torch) -> None:
-    """torch's import just ended: set what a copy deferred for it."""
-    deferred = dict(_DEFERRED)
-    _DEFERRED.clear()
-    _TorchArrival.remove()
-    if not deferred or not _deferral_alive_in(deferred):
-        return
+def _set_deferred(torch, deferred: dict) -> None:
+    """Set what a copy deferred for torch (flowvm.base.torcharrival), now that torch is imported."""
     if "random" in deferred:
-        _set_torch_random(torch, deferred["random"])
+        set_torch_random(torch, deferred["random"])
     if "settings" in deferred:
         apply_settings(deferred["settings"]["values"], announce=deferred["settings"]["announce"])
 
 
-def _deferral_alive_in(deferred: dict) -> bool:
-    ref = deferred.get("owner")
-    drv = None if ref is None else ref()
-    return ref is None or (drv is not None and not getattr(drv, "done", False))
-
-
-class _TorchArrival:
-    """A finder first on ``sys.meta_path`` while a copy's torch states wait for torch: it finds torch's spec
-    through the other finders and wraps its loader, which calls ``_torch_arrived`` once torch has run."""
-
-    @classmethod
-    def install(cls) -> None:
-        if not any(isinstance(f, cls) for f in sys.meta_path):
-            sys.meta_path.insert(0, cls())
-
-    @classmethod
-    def remove(cls) -> None:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, cls)]
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None):
-        if name != "torch" or "torch" in sys.modules:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _ThenSet(spec.loader)
-        return spec
-
-
-class _ThenSet:
-    """torch's own loader, then ``_torch_arrived``; the module keeps its own loader."""
-
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        module.__loader__ = self.loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self.loader
-        self.loader.exec_module(module)
-        _torch_arrived(module)
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
+torcharrival.setting["apply"] = _set_deferred

@@ -44,7 +44,7 @@ from ..persist.formats import PICKLE, format_of
 from ..base.errors import UsageError, CheckpointError, FlowError, StoppedDuringStartup
 from ..base.tracebacks import format_user_error
 from .targets import build_program, bundled_programs, recorded
-from .common import KEY_ENV, check_checkpoint_path, check_model, check_output, checkpoint_location, finish, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, start_program, trusted_header, write_model
+from .common import KEY_ENV, check_checkpoint_path, check_model, saving_as_recorded, check_output, checkpoint_location, finish, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, start_program, trusted_header, write_model
 from .runner import DEFAULT_EVERY_SECONDS, Stop, static_steps
 from .state_commands import cmd_resume_state, cmd_show_checkpoint, cmd_show_state
 from .sweeps import cmd_plot, cmd_sweep, start_dask
@@ -86,16 +86,14 @@ def cmd_resume(args) -> int:
     if meta.get("executor") == "dask":  # a sweep's trials ran on a Dask cluster: one again, under that name
         start_dask(meta.get("scheduler"), meta.get("versions") or "error")
     set_threads(args.threads if args.threads is not None else meta.get("threads"))  # as the run had it
-    if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
-        args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
-    else:
-        meta = dict(meta, every=args.every, every_seconds=args.every_seconds)
+    meta = saving_as_recorded(args, meta)
     drv = PICKLE.load(args.path, key=key, restore_settings=not args.keep_settings)
     if args.threads is not None:
         drv.resume_with(settings={"torch.threads": args.threads})
     target = args.checkpoint if args.checkpoint is not None else args.path
     meta = outputs.resume(args, meta)  # --tensorboard, --output: where the run wrote, unless given anew
     check_output(args.output)
+    check_model(None if meta.get("search") else module, args.output)
     status = runner_for(args, drv, meta, target).run(args.max_steps)
     finish(drv, None if meta.get("search") else module, target, key is not None, status)
     if meta.get("search") and drv.done:

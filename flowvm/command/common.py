@@ -30,6 +30,15 @@ def check_output(path: str | None) -> None:
         raise UsageError(f"--output {path}: give a file ending in {', '.join(MODEL_SUFFIXES)}")
 
 
+def saving_as_recorded(args, meta: dict) -> dict:
+    """A resume keeps saving as the run was told to (its recorded --every/--every-seconds), unless given anew:
+    the meta to record then."""
+    if args.every is None and args.every_seconds is None:
+        args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
+        return meta
+    return dict(meta, every=args.every, every_seconds=args.every_seconds)
+
+
 def check_model(module: ModuleType | None, path: str | None) -> None:
     """--output: refused before the first step when the program gives no model."""
     if path is not None and module is not None and not callable(getattr(module, "model", None)):

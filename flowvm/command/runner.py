@@ -198,9 +198,7 @@ class Runner:
     def _run(self, max_steps: int | None) -> int:
         drv = self.drv
         self.saved_step, self.saved_time = drv.steps, time.monotonic()
-        # whether the checkpoint holds this run (at saved_step): a resumed run's file does, a new run's not yet
-        self.written = drv.steps > 0 and read_start(self.ckpt, 1, missing_ok=True) is not None \
-            if self.ckpt is not None else False
+        self.written = self._holds_this_run()
         self.start_step, self.start_time = drv.steps, time.monotonic()
         limit = None if max_steps is None else drv.steps + max_steps
         history = History(drv, self.meta, self.history_names, self.tensorboard)  # (a missing TensorBoard: said first)
@@ -215,11 +213,7 @@ class Runner:
                 if self.ckpt is not None:
                     self.exact()  # the last save lands on a step the run resumes from exactly
             except interrupts.Interrupted as err:  # a step waiting on a stuck worker gave way to the signal
-                self._end_progress()
-                self.line(f"flowvm: {err}")
-                self.save(step_on=False)  # the step did not happen: the driver is at the one before
-                self._stopped(stop.signal or err.signum)
-                return 128 + (stop.signal or err.signum)
+                return self._interrupted(err, stop.signal or err.signum)
             except BaseException as err:  # an error, or SystemExit or KeyboardInterrupt raised by the program
                 self._failed(err, stop)
                 raise
@@ -229,6 +223,18 @@ class Runner:
                 self._stopped(stop.signal)
                 return 128 + stop.signal
         return 0
+
+    def _holds_this_run(self) -> bool:
+        """Whether the checkpoint holds this run (at saved_step): a resumed run's file does, a new run's not yet."""
+        return self.ckpt is not None and self.drv.steps > 0 and read_start(self.ckpt, 1, missing_ok=True) is not None
+
+    def _interrupted(self, err: interrupts.Interrupted, signum: int) -> int:
+        """A step gave way to a signal (its wait on a stuck worker ended): the run is saved at the step before."""
+        self._end_progress()
+        self.line(f"flowvm: {err}")
+        self.save(step_on=False)  # the step did not happen: the driver is at the one before
+        self._stopped(signum)
+        return 128 + signum
 
     def _start_progress(self):
         """The tqdm bar (mode "bar"), or None after the first progress line (mode "lines")."""

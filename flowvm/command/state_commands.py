@@ -9,8 +9,9 @@ from ..persist.formats import PICKLE, STATE
 from .targets import build_program, recorded
 from ..persist import checkpoint
 from . import outputs
-from .common import (KEY_ENV, check_checkpoint_path, check_output, finish, module_of, printable,
-                     registers_summary, runner_for, set_threads, trusted_header, write_model)
+from .common import (KEY_ENV, check_checkpoint_path, check_model, check_output, finish, module_of, printable,
+                     registers_summary, runner_for, saving_as_recorded, set_threads, trusted_header,
+                     write_model)
 from ..base.errors import UsageError
 
 
@@ -23,9 +24,7 @@ def cmd_resume_state(args) -> int:
     meta = dict(header.get("meta") or {})
     module, program = _rebuild(args, meta)
     set_threads(args.threads if args.threads is not None else meta.get("threads"))  # as the run had it
-    if args.every is None and args.every_seconds is None:  # keep saving as the run was told to
-        args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
-    meta.update(every=args.every, every_seconds=args.every_seconds,
+    meta = dict(saving_as_recorded(args, meta), every=args.every, every_seconds=args.every_seconds,
                 show=list(getattr(module, "SHOW", meta.get("show", []))))
     classes = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
     drv = STATE.load(args.path, program, key=key, restore_settings=not args.keep_settings,
@@ -35,6 +34,7 @@ def cmd_resume_state(args) -> int:
     ckpt = args.checkpoint if args.checkpoint is not None else args.path
     meta = outputs.resume(args, meta)  # --tensorboard, --output: where the run wrote, unless given anew
     check_output(args.output)
+    check_model(module, args.output)
     status = runner_for(args, drv, meta, ckpt).run(args.max_steps)
     finish(drv, module, ckpt, key is not None, status)
     write_model(drv, module, args.output)

@@ -166,19 +166,23 @@ def build_program(target: str, sets: list[str], values: dict[str, Any] | None = 
     except DataError as err:  # the user's data, refused: flowvm's own error (status 2), the data named
         raise DataError(f"{_program_name(target, module)}: {err}") from None
     except (TypeError, ValueError, MemoryError, RuntimeError) as err:
-        given = " ".join([f"--set {s}" for s in sets] + [f"--{k} {v}" for k, v in (values or {}).items()])
         if isinstance(err, RuntimeError) and not _out_of_memory(err):
             raise
-        if isinstance(err, (MemoryError, RuntimeError)):
-            raise UsageError(f"{_program_name(target, module)}: build() with {given or 'its defaults'} needs more "
-                             f"memory than this machine has ({str(err).strip().splitlines()[-1][:200]})") from err
-        raise UsageError(f"{_program_name(target, module)}: build() rejected {given or 'its defaults'}: "
-                         f"{type(err).__name__}: {err}") from err
+        given = " ".join([f"--set {s}" for s in sets] + [f"--{k} {v}" for k, v in (values or {}).items()])
+        raise _rejected(_program_name(target, module), given or "its defaults", err) from err
     if not isinstance(program, Element):
         where = getattr(module, "__file__", None) or module.__name__
         raise UsageError(f"build() in {where} returned {type(program).__name__} {program!r:.60}, "
                          "not a flowvm program (an element such as SEQ([...]))")
     return module, program
+
+
+def _rejected(name: str, given: str, err: BaseException) -> UsageError:
+    """build() refused its options, or could not allocate what they ask for."""
+    if isinstance(err, (MemoryError, RuntimeError)):
+        return UsageError(f"{name}: build() with {given} needs more memory than this machine has "
+                          f"({str(err).strip().splitlines()[-1][:200]})")
+    return UsageError(f"{name}: build() rejected {given}: {type(err).__name__}: {err}")
 
 
 def _out_of_memory(err: RuntimeError) -> bool:

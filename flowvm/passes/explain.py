@@ -19,7 +19,16 @@ from ..program.elements import CALL, SEQ, Element
 from ..program.paths import format_path, walk
 from ..program.printer import call_text
 
-__all__ = ["explain_fusion"]
+__all__ = ["explain_fusion", "fused_steps"]
+
+
+def fused_steps(program: Element) -> list[tuple[str, Element]]:
+    """(path, FUSED element) for every fused step of an optimized program (``drv.program`` for a run's own):
+    ``step.header_text()`` says which form it runs and why, ``step.runtime().refused`` why a compile was
+    refused, ``step.runtime().force("eager")`` overrides the choice in this process."""
+    from ..fused.element import FUSED
+
+    return [(format_path(path), el) for path, el in walk(program) if isinstance(el, FUSED)]
 
 
 def explain_fusion(program: Element) -> str:
@@ -46,35 +55,36 @@ def explain_fusion(program: Element) -> str:
 
 
 def _seq(el: SEQ, path: tuple, where: str) -> list[str]:
-    from ..fused.codegen import is_barrier
-    from ..fused.element import is_fusable
-
-    kinds = []
-    for child in el.elements:
-        if type(child) is CALL and is_fusable(child.fn):
-            kinds.append("torch")
-        elif type(child) is CALL and is_barrier(child.fn):
-            kinds.append("backward")
-        else:
-            kinds.append("other")
+    kinds = [_kind(child) for child in el.elements]
     runs = _runs(kinds)
     fused = sum(1 for a, b in runs if b - a >= 2)
     lines = [f"{where}: {fused} fused step{'s' if fused != 1 else ''} from {len(el.elements)} children"]
     in_run = {i: (a, b) for a, b in runs for i in range(a, b)}
     for i, child in enumerate(el.elements):
         text = _text(child) if type(child) is CALL else child.kind
-        child_where = format_path(path + (i,))
         if i in in_run:
-            a, b = in_run[i]
-            if b - a >= 2:
-                what = (f"fused: calls {format_path(path + (a,))} to {format_path(path + (b - 1,))} run as one "
-                        f"step" + (" (the backward pass joins the step, eagerly)" if kinds[i] == "backward" else ""))
-            else:
-                what = "a torch call with no torch call beside it to fuse with: it stays a step of its own"
+            what = _in_run(path, *in_run[i], kinds[i])
         else:
             what = _why_not(child, kinds[i], len(el.elements))
-        lines.append(f"  {child_where} {text}: {what}")
+        lines.append(f"  {format_path(path + (i,))} {text}: {what}")
     return lines
+
+
+def _kind(child: Element) -> str:
+    """"torch" (a fusable CALL), "backward" (a backward pass, which joins a run) or "other"."""
+    from ..fused.codegen import is_barrier
+    from ..fused.element import is_fusable
+
+    if type(child) is not CALL:
+        return "other"
+    return "torch" if is_fusable(child.fn) else "backward" if is_barrier(child.fn) else "other"
+
+
+def _in_run(path: tuple, a: int, b: int, kind: str) -> str:
+    if b - a < 2:
+        return "a torch call with no torch call beside it to fuse with: it stays a step of its own"
+    joins = " (the backward pass joins the step, eagerly)" if kind == "backward" else ""
+    return f"fused: calls {format_path(path + (a,))} to {format_path(path + (b - 1,))} run as one step{joins}"
 
 
 ONE_STEP = ("a function of yours holding a whole step in one CALL: fuse-torch fuses runs of two or more torch "
@@ -109,16 +119,14 @@ def _why_not(child: Element, kind: str, siblings: int) -> str:
     if type(child) is not CALL:
         return f"a {child.kind}: it ends the run of torch calls before it (its own SEQs are looked at)"
     fn = child.fn
-    from ..fused.element import _MARK, _NEVER_TENSOR, _NEVER_TORCH
-
-    if getattr(fn, _MARK, None) is False:
+    if getattr(fn, "__flowvm_fusable__", None) is False:  # (flowvm.fused.element's mark)
         return "excluded with flowvm.fusable(fn, False)"
     name = getattr(fn, "__name__", None) or type(fn).__name__
     torch = sys.modules["torch"]
     owner = getattr(fn, "__self__", None)
-    if name in _NEVER_TENSOR and (isinstance(owner, torch.Tensor) or getattr(torch.Tensor, name, None) is fn):
+    if isinstance(owner, torch.Tensor) or getattr(torch.Tensor, name, None) is fn:
         return f"never fused: Tensor.{name} leaves torch's graph (it runs eagerly, as a step of its own)"
-    if name in _NEVER_TORCH and getattr(torch, name, None) is fn:
+    if getattr(torch, name, None) is fn:
         return f"never fused: torch.{name} changes the process or leaves torch's graph"
     if isinstance(owner, torch.optim.Optimizer):
         return (f"an optimizer's method ({type(owner).__name__}.{name}): not fused unless marked "

@@ -60,8 +60,8 @@ from ..base.errors import CheckpointError
 from .fileformat import (FORMAT, MAGIC, OUT_OF_BAND_MIN, THREADED_MIN, Digests, Verified, read_file,  # noqa: F401
                          verify_bytes)
 from ..base.version import __version__
-from .pickler import LiveGraph, copy_refused
-from .pickler import CopyWarning, Pickler, Unpickler, check_bytecode, names_in  # noqa: F401  (flowvm.persist.checkpoint.CopyWarning)
+from .refusals import LiveGraph, copy_refused
+from .pickler import CopyWarning, Pickler, Unpickler, check_bytecode, names_in, pickle_bytes  # noqa: F401  (flowvm.persist.checkpoint.CopyWarning)
 
 def _key_bytes(key: bytes | str | None) -> bytes | None:
     if key is None:
@@ -104,9 +104,9 @@ def _payload(driver, path) -> tuple[io.BytesIO, list[tuple[memoryview, str]], st
         pickler.storage_buffers = out_of_band.storage_buffers
         pickler.dump({"driver": driver})
     except LiveGraph as err:
-        raise copy_refused(err, driver, path) from None
+        raise copy_refused(err, driver, pickle_bytes, path) from None
     except Exception as err:
-        raise copy_refused(err, driver, path) from err
+        raise copy_refused(err, driver, pickle_bytes, path) from err
     return stream, out_of_band.buffers, pickler.bytecode
 
 

@@ -25,7 +25,9 @@ from ..program.elements import provide
 from ..base import environment
 from ..base.environment import check_random, check_settings
 from ..base.autograd import holds_live_graph
-from ..base.errors import CheckpointError, CopyError, CopyWarning
+from ..base.errors import CheckpointError, CopyWarning
+from .refusals import LiveGraph, copy_refused
+from .streamnames import names_in  # noqa: F401  (flowvm.persist.pickler.names_in)
 
 @stable("flowvm.pickled")
 def global_generator(name: str) -> Any:
@@ -180,63 +182,6 @@ def _reduce_driver_state(pickler, drv):
     # A finished run takes no more steps: the autograd graphs it holds are left out (their values kept).
     pickler.finished_run = pickler.finished_run or drv.done
     return rebuild_driver, (drv.__getstate__(),)
-
-
-class LiveGraph(CopyError):
-    """A tensor with a live autograd graph met while pickling (``where`` found later by ``copy_refused``)."""
-
-    def __init__(self, tensor):
-        super().__init__("<copy>", GRAPH_REASON)
-        self.tensor = tensor
-
-
-GRAPH_REASON = ("holds a tensor whose autograd graph a later backward() may still run through (a copy taken "
-                "between a forward pass and its backward); torch cannot copy an autograd graph, and the copy's "
-                "backward() would silently give no gradients. Copy the run after the backward (flowvm's own "
-                "saves wait for such a step: Driver.copyable() tells when), or keep what is not differentiated "
-                "as loss.detach() or loss.item() (or compute it under torch.no_grad())")
-
-
-def copy_refused(err: Exception, driver, path: Any = "<copy>") -> Exception:
-    """err from pickling driver, as a CopyError naming where the value at fault is held: the register or
-    frame holding a tensor with a live autograd graph, or the innermost value that does not pickle (the
-    register, its attribute or item, or the program's element, with the object's type)."""
-    if isinstance(err, CopyError) and not isinstance(err, LiveGraph):
-        return err
-    if not isinstance(err, LiveGraph):
-        from .culprit import unpicklable_at
-
-        found = unpicklable_at(driver, pickle_bytes, err)
-        if found is None:
-            return CopyError(path, f"does not pickle: {type(err).__name__}: {err}")
-        where, value, inner = found
-        refused = CopyError(path, f"holds a {type(value).__module__}.{type(value).__qualname__}, which does not "
-                                  f"pickle ({type(inner).__name__}: {inner})", where)
-        return refused
-    if isinstance(err, LiveGraph):
-        from .culprit import held_at
-
-        tensor = err.tensor
-        where = held_at(driver, lambda v: v is tensor) or _graph_holder(driver, tensor)
-        refused = CopyError(path, GRAPH_REASON, where or "a value of the run (not in a register or a frame)")
-        refused.tensor = tensor
-        return refused
-    return err
-
-
-def _graph_holder(driver, tensor) -> str | None:
-    """Where a value is held whose pickling meets tensor (a tensor inside an object the walk does not enter)."""
-    from .culprit import places
-
-    for where, value in places(driver):
-        try:
-            pickle_bytes(value)
-        except LiveGraph as err:
-            if err.tensor is tensor:
-                return where
-        except Exception:
-            continue
-    return None
 
 
 def _with_obj(reduce):
@@ -407,53 +352,23 @@ class Unpickler(pickle.Unpickler):
 
 
 
-def names_in(stream: bytes) -> set[tuple[str, str]]:
-    """The (module, name) pairs a pickle stream imports, read without unpickling anything (the globals
-    that loading it would look up and call)."""
-    import pickletools
-
-    found: set[tuple[str, str]] = set()
-    memo: dict[int, Any] = {}
-    pushed: list[Any] = []  # what each opcode pushed: a string, or None for anything else
-    for op, arg, _ in pickletools.genops(bytes(stream)):
-        name = op.name
-        if name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"):
-            pushed.append(arg)
-        elif name == "MEMOIZE":
-            memo[len(memo)] = pushed[-1] if pushed else None
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[arg] = pushed[-1] if pushed else None
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
-            pushed.append(memo.get(arg))
-        elif name == "STACK_GLOBAL":
-            module, qualname = pushed[-2], pushed[-1]
-            found.add((module if isinstance(module, str) else "?", qualname if isinstance(qualname, str) else "?"))
-            pushed.append(None)
-        elif name in ("GLOBAL", "INST"):
-            module, _, qualname = arg.partition(" ")
-            found.add((module, qualname))
-            pushed.append(None)
-        elif op.stack_after:
-            pushed.append(None)
-    return found
-
-
 def reduce_driver(drv) -> tuple:
     """How a Driver reduces for any outer pickler (pickle, cloudpickle, copy.deepcopy): its state written by
     Pickler, so that every kind of copy keeps the same things."""
     try:
         data, bytecode = pickle_with_python(drv)
     except Exception as err:
-        raise copy_refused(err, drv) from err
+        raise copy_refused(err, drv, pickle_bytes) from err
     return load_driver_bytes, (data,) if bytecode is None else (data, bytecode)
 
 
 def copy_problem(drv):
-    """Driver.copyable(): the CopyError a copy of drv made now would raise, or None."""
+    """Driver.copyable(): the CopyError a copy of drv made now would raise (a live autograd graph), or None:
+    drv pickled with its large buffers left out."""
     try:
         Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=_out_of_band).dump(drv)
     except LiveGraph as err:
-        return copy_refused(err, drv)
+        return copy_refused(err, drv, pickle_bytes)
     return None
 
 

@@ -50,7 +50,7 @@ from ..program.elements import WEAVE, Element
 from ..program.paths import format_path, get, parse_path, walk
 from ..program.printer import lines
 from .checkpoint import _key_bytes
-from .pickler import GRAPH_REASON
+from .refusals import GRAPH_REASON
 from .statefile import FORMAT, MAC, checksum_name, digests, read_state, views_of, write
 from .stateframes import LARGEST, check_frame
 from .stateobjects import encode_object, has_state_dict, roots
@@ -232,6 +232,16 @@ def load_state(path: Any, program: Element, key: bytes | str | None = None, rest
     return drv.resume_with(random=restore_random, settings=restore_settings)
 
 
+def _restore_registers(dec: Decoder, registers, saved: Any, path: Any) -> None:
+    """The saved registers put into the rebuilt program's: a model or optimizer build() put in a register
+    takes its saved state (the object stays the program's)."""
+    built = dict(registers)
+    restored = [(name, dec.restore(built[name] if has_state_dict(built.get(name)) else MISSING, node,
+                                   f"registers/{name}")) for name, node in _pairs(saved, path)]
+    registers.clear()
+    registers.update(restored)
+
+
 def _restore(loaded, program: Element, path: Any, allowed: dict):
     """A driver of program holding the run of a checked state file (its settings and random states to be
     set at its first step)."""
@@ -243,11 +253,7 @@ def _restore(loaded, program: Element, path: Any, allowed: dict):
     if type(objects) is not list:
         raise CheckpointError(path, "malformed: the objects table cannot be read")
     check_program_objects(dec, objects, drv.program, path)
-    built = dict(drv.registers)  # a model or optimizer build() put in a register takes its saved state
-    registers = [(name, dec.restore(built.get(name, MISSING) if has_state_dict(built.get(name)) else MISSING, node,
-                                    f"registers/{name}")) for name, node in _pairs(parts["registers"], path)]
-    drv.registers.clear()
-    drv.registers.update(registers)
+    _restore_registers(dec, drv.registers, parts["registers"], path)
     run = parts["run"]
     try:
         steps, done, ready, rotate, fresh = run["steps"], run["done"], run["ready"], run["rotate"], run["fresh"]

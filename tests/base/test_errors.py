@@ -3,6 +3,10 @@
 import copy
 import pickle
 
+from flowvm.base.errors import CopyError, UsageError
+from flowvm.base.interrupts import Interrupted
+from flowvm.persist.refusals import LiveGraph
+
 import cloudpickle
 import pytest
 
@@ -29,6 +33,11 @@ SAMPLES = [
     UnknownPassError("no optimizer pass named 'nope'; known passes: flatten", "nope"),
     WorkerError("Batches: worker 1 (pid 123) failed on sample 7: ValueError"),
     RankError(1, 1, "ValueError: boom", "Traceback (most recent call last): ..."),
+    CopyError("<copy>", "holds a tensor whose autograd graph a later backward() may still run through",
+              "registers/loss"),
+    UsageError("option 'lr' takes a finite number, got '1e999'"),
+    Interrupted("Batches: stopped by SIGTERM: worker 0 (pid 7, stopped) made nothing for 3 s", 15),
+    LiveGraph(7),  # (the pickler's signal, carrying the tensor it met)
 ]
 
 COPIERS = {
