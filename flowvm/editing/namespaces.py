@@ -138,7 +138,8 @@ def rename_registers(program: Element, rename: Callable[[Register], Register],
 def _rename_call(el: CALL, rename, sub) -> Element:
     args = _rename_value(el.args, rename)  # data: an element there is a value
     kwargs = _rename_value(el.kwargs, rename)
-    store = rename(el.store_to) if el.store_to is not None else None
+    store = el.store_to if el.store_to is None else tuple(rename(r) for r in el.store_to) \
+        if isinstance(el.store_to, tuple) else rename(el.store_to)
     return CALL(el.fn, *args, store_to=store, **kwargs)
 
 

@@ -12,6 +12,7 @@ import keyword
 
 from typing import Any, Callable
 
+from ..program.element import store_source
 from ..program.elements import CALL, PRINT, Element
 from ..program.kinds import KindTable
 from ..program.registers import Register, has_registers, resolve
@@ -49,7 +50,7 @@ def _call_source(el: CALL, ns: dict) -> str:
     call = f"fn({', '.join(parts)})"
     if el.store_to is None:
         return f"def leaf():\n    return {call}\n"
-    return f"def leaf():\n    v = {call}\n    R[{el.store_to.name!r}] = v\n    return v\n"
+    return f"def leaf():\n    v = {call}\n    {store_source(el.store_to)} = v\n    return v\n"
 
 
 def _print_source(el: PRINT, ns: dict) -> str:

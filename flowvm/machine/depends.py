@@ -45,6 +45,7 @@ from typing import Any, Callable
 from ..pickled import stable
 from .driver import Driver
 from .frames import ELEMENT
+from ..program.element import store_source
 from ..program.elements import CALL, provide
 from ..base.errors import FlowError
 from ..program.registers import Register, Registers, has_registers, resolve, same_kind_of_dict
@@ -238,7 +239,7 @@ def _factory(el: "DependsCALL") -> Callable:
         else:
             ns[f"kw{i}"] = {key: value}
             parts.append(f"**resolve_arg(kw{i}, cache)")
-    store = f"    R[{el.store_to.name!r}] = v\n" if el.store_to is not None else ""
+    store = f"    {store_source(el.store_to)} = v\n" if el.store_to is not None else ""
     src = (f"def factory(fn, R, dep, resolve_arg):\n"
            f"  def leaf():\n"
            f"    cache = {{}}\n"

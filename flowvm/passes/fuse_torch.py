@@ -93,7 +93,7 @@ def _fuse_seq(el: SEQ, path: tuple[int, ...], settings: FuseSettings, ctx) -> El
         run.clear()
 
     for i, child in enumerate(el.elements):
-        if type(child) is CALL and is_fusable(child.fn):
+        if type(child) is CALL and is_fusable(child.fn) and not isinstance(child.store_to, tuple):  # (unpacking: eager)
             run.append((i, child))
         elif type(child) is CALL and run and is_barrier(child.fn):
             run.append((i, child))  # a backward pass ends the run, inside it: one resumable step

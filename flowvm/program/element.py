@@ -234,8 +234,32 @@ def check_count(n: Any, owner: str, what: str = "count") -> Any:
     return int(n)
 
 
-def check_target(store_to: Any, owner: str) -> Register | None:
-    """store_to, when it is a Register or None; else a TypeError naming owner."""
+def check_target(store_to: Any, owner: str, unpack: bool = False) -> Register | tuple | None:
+    """store_to, when it is a Register or None (or, with unpack, a tuple or list of Registers, as a tuple:
+    the value is unpacked into them as Python's ``a, b = value`` does); else a TypeError naming owner."""
+    if unpack and isinstance(store_to, (tuple, list)):
+        if not store_to or not all(isinstance(r, Register) for r in store_to):
+            raise TypeError(f"{owner}: store_to must be a Register or a tuple of Registers ((reg('a'), reg('b'))), "
+                            f"got {store_to!r:.60}")
+        names = [r.name for r in store_to]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{owner}: store_to names a register twice: {', '.join(names)}")
+        return tuple(store_to)
     if store_to is not None and not isinstance(store_to, Register):
-        raise TypeError(f"{owner}: store_to must be a Register (reg('name')) or None, got {type(store_to).__name__}")
+        also = " or a tuple of Registers" if unpack else ""
+        raise TypeError(f"{owner}: store_to must be a Register (reg('name')){also} or None, got "
+                        f"{type(store_to).__name__}")
     return store_to
+
+
+def store_source(store_to: Register | tuple) -> str:
+    """The Python target that stores a leaf's value v in the register file R: ``R['a']`` or ``R['a'], R['b']``
+    (unpacked as Python unpacks)."""
+    if isinstance(store_to, tuple):
+        return ", ".join(f"R[{r.name!r}]" for r in store_to)
+    return f"R[{store_to.name!r}]"
+
+
+def target_text(store_to: Register | tuple) -> str:
+    """How a listing writes the target: ``a`` or ``a, b``."""
+    return ", ".join(r.name for r in store_to) if isinstance(store_to, tuple) else store_to.name

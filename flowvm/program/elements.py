@@ -28,7 +28,8 @@ class CALL(Element):
 
     Registers anywhere in args and kwargs (also inside lists, tuples and dicts)
     are replaced by their values when the call runs.  The return value is the
-    element's value, stored to ``store_to`` when given.
+    element's value, stored to ``store_to`` when given: a register, or a tuple of registers that the value
+    is unpacked into as Python's ``a, b = value`` does (``store_to=(reg('a'), reg('b'))``).
     """
 
     kind = "CALL"
@@ -45,12 +46,14 @@ class CALL(Element):
     def __init__(self, fn: Callable, *args: Any, store_to: Register | None = None, **kwargs: Any):
         if not callable(fn):
             raise TypeError(f"CALL: fn must be callable, got {type(fn).__name__} {fn!r:.60}")
-        self._init(fn=fn, args=tuple(args), kwargs=dict(kwargs), store_to=check_target(store_to, "CALL"))
+        self._init(fn=fn, args=tuple(args), kwargs=dict(kwargs), store_to=check_target(store_to, "CALL", unpack=True))
 
     def own_reads(self) -> list[Register]:
         return list(iter_registers(self.args)) + list(iter_registers(self.kwargs))
 
     def own_writes(self) -> list[Register]:
+        if isinstance(self.store_to, tuple):
+            return list(self.store_to)
         return [self.store_to] if self.store_to is not None else []
 
 

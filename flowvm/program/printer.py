@@ -13,6 +13,7 @@ import types
 from typing import Any
 
 from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, provide
+from .element import target_text
 from .kinds import KindTable
 from .registers import Register
 
@@ -103,7 +104,7 @@ def fmt(value: Any, limit: int = 40, _inside: frozenset = frozenset()) -> str:
 def call_text(el: CALL) -> str:
     args = [fmt(a) for a in el.args] + [f"{k}={fmt(v)}" for k, v in el.kwargs.items()]
     text = f"{fn_name(el.fn)}({', '.join(args)})"
-    return f"{el.store_to.name} = {text}" if el.store_to is not None else text
+    return f"{target_text(el.store_to)} = {text}" if el.store_to is not None else text
 
 
 def _header_other(el: Element) -> str:
