@@ -7,7 +7,9 @@ import os
 import pty
 import select
 import struct
+import re
 import subprocess
+import sys
 import termios
 import textwrap
 import time
@@ -536,3 +538,34 @@ def test_a_programs_error_shows_its_own_frames_and_where_it_happened(tmp_path):
     assert "flowvm/" not in err.replace("flowvm: ", "") and "<flowvm" not in err, err  # none of the machine's frames
     assert "flowvm: while running CALL step(x) at path '0.0' (step 7)" in err
     assert "the run is saved at step 6" in err
+
+
+def test_a_resume_says_nothing_of_the_commands_own_thread_count_and_other_settings_in_one_line(tmp_path):
+    ckpt = tmp_path / "m.ckpt"
+    flowvm_cmd("run", "mlp", "--set", "epochs=1", "--checkpoint", ckpt, "--max-steps", "5", "--progress", "lines")
+    out = flowvm_cmd("resume", ckpt, "--max-steps", "5", "--progress", "lines")
+    assert "Warning" not in out.stderr and "warning" not in out.stderr, out.stderr  # THREADS=1, set by the command
+    lines = out.stderr.splitlines()
+    assert lines[0] == "flowvm: running from step 5, saving to " + str(ckpt)
+    assert "(0 steps/s)" not in out.stderr
+    script = ("import sys, torch, flowvm\nfrom flowvm import CALL, REPEAT, Registers\n"
+              "torch.set_num_threads(1)\nreg = Registers(n=0)\n"
+              "d = REPEAT(4, CALL(torch.get_num_threads, store_to=reg('n'))).start(); d.run(max_steps=1)\n"
+              "flowvm.save(d, sys.argv[1])\n")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "py.ckpt")], check=True, timeout=120)
+    out = flowvm_cmd("resume", tmp_path / "py.ckpt", "--progress", "none")
+    warned = [line for line in out.stderr.splitlines() if "torch.threads=1" in line]
+    assert len(warned) == 1 and re.fullmatch(r"flowvm: warning: resuming with the settings the run was saved with: "
+                                             r"torch.threads=1 \(this process had \d+\)\. --keep-settings keeps this "
+                                             r"process's own\.", warned[0]), out.stderr
+    assert "n                int        1" in out.stdout
+    assert "SettingsWarning" not in out.stderr and "warnings.warn" not in out.stderr
+
+
+def test_a_missing_tensorboard_is_said_before_the_run_starts(tmp_path):
+    script = ("import sys\nsys.modules['tensorboard'] = None\nsys.modules['torch.utils.tensorboard'] = None\n"
+              "from flowvm.command.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    out = subprocess.run([sys.executable, "-c", script, "run", "pca", "--set", "batches=2", "--tensorboard",
+                          str(tmp_path / "tb"), "--progress", "lines"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--tensorboard needs the tensorboard package" in out.stderr, out.stderr
+    assert "running from step" not in out.stderr
