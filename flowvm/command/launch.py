@@ -29,6 +29,7 @@ from ..persist.lock import holding
 from ..distributed import checkpoints, group
 from ..distributed.launching import RankError, config, record_error, run_elastic
 from ..distributed.loop import DEFAULT_SYNC_EVERY, Synchronized
+from ..distributed.replicas import ReplicaError, per_rank_names
 from .common import check_output, finish, key_of, module_of, set_threads, start_program, write_model
 from .history import History
 from .runner import DEFAULT_EVERY_SECONDS, shown
@@ -182,6 +183,10 @@ def _as_rank(args, body) -> int:
     group.init(args.dist_timeout)
     try:
         return _stopped_on_purpose(body(args))
+    except ReplicaError as err:  # every rank found it, at the same step: said once a host, status 2
+        if group.local_rank() == 0:
+            print(f"flowvm: {err}", file=sys.stderr, flush=True)
+        return _stopped_on_purpose(2)
     except SystemExit as err:
         if group.rank() != 0:  # the same refusal on every rank: said once
             raise SystemExit(2 if isinstance(err.code, str) else err.code) from None
@@ -266,7 +271,7 @@ def _go(args, drv, module, meta: dict, location, key, resumed: bool) -> int:
     if location is not None and args.every is None and args.every_seconds is None:
         args.every_seconds = DEFAULT_EVERY_SECONDS  # as a run on one process saves
     runner = Synchronized(drv, location, args.every, args.every_seconds, args.sync_every, key, meta,
-                          stop=args.stop, on_chunk=on_chunk, resumed=resumed)
+                          stop=args.stop, on_chunk=on_chunk, resumed=resumed, per_rank=_per_rank(module))
     try:
         status = runner.run(args.max_steps)
     finally:
@@ -283,6 +288,16 @@ def _go(args, drv, module, meta: dict, location, key, resumed: bool) -> int:
         write_model(drv, module, args.output)
     group.barrier()  # no rank ends (which stops the group) before rank 0 has reported
     return status
+
+
+def _per_rank(module) -> frozenset:
+    """The registers the program file declares per-rank (``PER_RANK = ("stats",)``): each rank keeps its own
+    value there, which the check that the ranks hold one model leaves out."""
+    try:
+        return per_rank_names(getattr(module, "PER_RANK", None) if module is not None else None,
+                              f"PER_RANK in {getattr(module, '__file__', None) or getattr(module, '__name__', '?')}")
+    except TypeError as err:  # on every rank alike: refused as the check's own refusal, one line
+        raise ReplicaError(str(err)) from None
 
 
 class _Progress:

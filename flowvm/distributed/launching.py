@@ -230,7 +230,7 @@ def _signals_end_the_wait():
 
 # ------------------------------------------------------------------ from Python
 def _rank_main(build: Callable, options: dict, location, every, every_seconds, sync_every, key, timeout,
-               max_steps):
+               max_steps, per_rank=None):
     from .loop import Synchronized
 
     group.init(timeout)
@@ -243,8 +243,10 @@ def _rank_main(build: Callable, options: dict, location, every, every_seconds, s
             drv = build(**options).start()
         meta = {"builder": f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', '?')}",
                 "world_size": max(group.world_size(), 1)}
+        if per_rank is None:  # as the program file declares it, where build() is defined
+            per_rank = getattr(sys.modules.get(getattr(build, "__module__", None) or ""), "PER_RANK", None)
         status = Synchronized(drv, location, every, every_seconds, sync_every, key, meta,
-                              resumed=resumed).run(max_steps)
+                              resumed=resumed, per_rank=per_rank).run(max_steps)
         if group.rank() != 0:
             return None
         # pickled here, while the group lives (a DistributedDataParallel among them pickles only then)
@@ -271,7 +273,7 @@ def launch(build: Callable, nproc: int = 2, options: dict | None = None, *, chec
            every: int | None = None, every_seconds: float | None = None, sync_every: int | None = None,
            key: str | None = None, timeout: float | None = None, max_restarts: int = 0, nnodes: int = 1,
            rdzv: str | None = None, node_rank: int | None = None, max_steps: int | None = None,
-           rdzv_id: str | None = None):
+           rdzv_id: str | None = None, per_rank=None):
     """Run ``build(**options)``'s program data-parallel on nproc ranks (per host) under torch's elastic
     agent, and return rank 0's result (``Finished``: steps, done, value, registers, status).
 
@@ -280,13 +282,15 @@ def launch(build: Callable, nproc: int = 2, options: dict | None = None, *, chec
     steps or ``every_seconds`` seconds and at the end, and a launch finding an unfinished run there resumes
     it; after a lost rank the agent restarts the group up to ``max_restarts`` times, each time from the last
     complete checkpoint.  ``timeout``: seconds a collective may wait for a rank before it fails.  A failed
-    group raises RankError, naming the rank that failed and its error."""
+    group raises RankError, naming the rank that failed and its error.  The ranks' models must stay one (see
+    flowvm.distributed.replicas): ``per_rank`` names the registers each rank keeps its own of (default: the
+    ``PER_RANK`` of build()'s module); ranks whose models differ raise a ReplicaError, in the RankError."""
     from .loop import DEFAULT_SYNC_EVERY
 
     cfg = config(nproc, nnodes, rdzv, node_rank, max_restarts, run_id=rdzv_id)
     with _quiet_torch():  # the RankError raised names the rank and carries its traceback: said once
         results = run_elastic(cfg, _rank_main, build, dict(options or {}), checkpoint, every, every_seconds,
-                              sync_every or DEFAULT_SYNC_EVERY, key, timeout, max_steps)
+                              sync_every or DEFAULT_SYNC_EVERY, key, timeout, max_steps, per_rank)
     return Unpickler(io.BytesIO(results[0])).load()
 
 

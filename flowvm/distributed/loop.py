@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from ..base.errors import FlowError
 from ..program.analysis import static_steps
-from . import checkpoints, group
+from . import checkpoints, group, replicas
 
 __all__ = ["Synchronized", "DEFAULT_SYNC_EVERY"]
 
@@ -46,12 +46,17 @@ class Synchronized:
     checkpoints at ``location`` every ``every`` steps or ``every_seconds`` seconds (rank 0's clock decides),
     when a stop is agreed on, and at the end.  ``stop`` is an object whose ``signal`` attribute a signal
     handler sets (the command's); without one, SIGINT and SIGTERM are taken over while it runs.
-    ``on_chunk(drv)`` is called after every chunk of steps (progress, history)."""
+    ``on_chunk(drv)`` is called after every chunk of steps (progress, history).
+
+    On more than one rank, the ranks' modules, parameters and optimizers must stay bit for bit alike (one
+    model, as DistributedDataParallel keeps it): compared at the first agreement after an optimizer's first
+    step, before every save and at the end (flowvm.distributed.replicas), a ReplicaError on every rank when
+    they differ.  ``per_rank`` names the registers each rank keeps its own of (not compared)."""
 
     def __init__(self, drv, location: Path | str | None = None, every: int | None = None,
                  every_seconds: float | None = None, sync_every: int = DEFAULT_SYNC_EVERY, key: Any = None,
                  meta: dict | None = None, stop: Any = None, on_chunk: Callable | None = None,
-                 resumed: bool = False):
+                 resumed: bool = False, per_rank=()):
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         self.drv, self.location, self.every, self.every_seconds = drv, location, every, every_seconds
@@ -60,9 +65,19 @@ class Synchronized:
         self.written = resumed  # whether location holds this run at saved_step
         self.saved_time = time.monotonic()
         self.signal: int | None = None  # the signal the ranks agreed to stop on
+        self.per_rank = replicas.per_rank_names(per_rank)
+        self.checked_step: int | None = None  # the step the ranks' replicas were last compared at
+        self.steps_seen: replicas.OptimizerSteps | None = None  # until the first optimizer step is seen
+
+    def check_replicas(self) -> None:
+        """Compare the ranks' modules, parameters and optimizers (once a step; every rank calls it)."""
+        if group.world_size() > 1 and self.checked_step != self.drv.steps:
+            replicas.check(self.drv, self.per_rank)
+            self.checked_step = self.drv.steps
 
     def save(self) -> None:
         if self.location is not None and (self.drv.steps != self.saved_step or not self.written):
+            self.check_replicas()
             checkpoints.save(self.drv, self.location, self.key, self.meta)
             self.saved_step, self.saved_time, self.written = self.drv.steps, time.monotonic(), True
 
@@ -81,13 +96,20 @@ class Synchronized:
         drv = self.drv
         due = (self.location is not None and self.every_seconds is not None
                and time.monotonic() - self.saved_time >= self.every_seconds and group.rank() == 0)
-        signum, due, most, least, done, running = group.agree(
-            getattr(stop, "signal", None) or 0, int(due), drv.steps, -drv.steps, int(drv.done), int(not drv.done))
+        stepped = self.steps_seen is not None and self.steps_seen.stepped
+        signum, due, most, least, done, running, stepped = group.agree(
+            getattr(stop, "signal", None) or 0, int(due), drv.steps, -drv.steps, int(drv.done), int(not drv.done),
+            int(stepped))
         if most != -least or (done and running):
             raise FlowError(f"the ranks' runs differ: they are at steps {-least} to {most}"
                             f"{' and some have finished' if done and running else ''} (rank {group.rank()} at step "
                             f"{drv.steps}); every rank must take the same steps (a Batches serves as many batches on "
                             "every rank: look for a loop or a condition that depends on the rank)")
+        if stepped:  # some rank's optimizer has stepped: the replicas are compared once now, at the same step
+            if self.steps_seen is not None:
+                self.steps_seen.stop()
+                self.steps_seen = None
+            self.check_replicas()
         return signum, bool(due)
 
     def _check_lengths(self) -> None:
@@ -107,6 +129,17 @@ class Synchronized:
         drv = self.drv
         self._check_lengths()
         limit = None if max_steps is None else drv.steps + max_steps
+        if group.world_size() > 1 and self.steps_seen is None and self.checked_step is None:
+            self.steps_seen = replicas.OptimizerSteps().start()
+        try:
+            return self._run(limit)
+        finally:
+            if self.steps_seen is not None:
+                self.steps_seen.stop()
+                self.steps_seen = None
+
+    def _run(self, limit: int | None) -> int:
+        drv = self.drv
         with (_Signals() if self.stop is None else _Keep(self.stop)) as stop:
             if hasattr(stop, "running"):
                 stop.running = True
@@ -121,6 +154,8 @@ class Synchronized:
                 if not drv.done and (due or (self.every is not None and self.location is not None
                                              and drv.steps - self.saved_step >= self.every)):
                     self.save()
+            if not self.signal:
+                self.check_replicas()  # the run's end (also without a checkpoint): before anything is reported
             self.save()
         return 128 + self.signal if self.signal else 0
 
