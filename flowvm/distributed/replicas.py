@@ -39,9 +39,6 @@ class ReplicaError(FlowError):
         super().__init__(message)
         self.where, self.ranks, self.step = where, tuple(ranks), step
 
-    def __reduce__(self):
-        return (type(self), (str(self), self.where, self.ranks, self.step))
-
 
 def per_rank_names(value: Any, source: str = "PER_RANK") -> frozenset[str]:
     """The register names a program declares per-rank (``PER_RANK = ("stats",)`` in a program file, or the
@@ -75,51 +72,12 @@ def _kind(value: Any) -> str | None:
     return None
 
 
-def _program_roots(program) -> Iterator[tuple[str, Any]]:
-    """What the program's leaves hold that the registers may not: the object a CALL's method is bound to,
-    the values its function closes over, its partial's arguments, its default arguments and its own
-    arguments."""
-    import functools
-
-    from ..program.paths import format_path, walk
-
-    for path, el in walk(program):
-        if not el.is_leaf:
-            continue
-        where = f"{el.kind} at {format_path(path) or 'the root'}"
-        fn = getattr(el, "fn", None)
-        while isinstance(fn, functools.partial):
-            name = f"{where}, partial"
-            for i, arg in enumerate(fn.args):
-                yield f"{name} argument {i + 1}", arg
-            for key, arg in (fn.keywords or {}).items():
-                yield f"{name} argument {key}", arg
-            fn = fn.func
-        if fn is not None:
-            name = str(getattr(fn, "__qualname__", None) or type(fn).__name__).rsplit("<locals>.", 1)[-1]
-            named = f"{where} ({name})"
-            owner = getattr(fn, "__self__", None)
-            if owner is not None and not isinstance(owner, type(sys)):
-                yield f"{named}, self", owner
-            for cell, var in zip(getattr(fn, "__closure__", None) or (),
-                                 getattr(getattr(fn, "__code__", None), "co_freevars", ())):
-                try:
-                    yield f"{named}, its variable {var}", cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-            for i, default in enumerate(getattr(fn, "__defaults__", None) or ()):
-                yield f"{named}, default argument {i + 1}", default
-            if _kind(fn) is not None:  # CALL(model, ...)
-                yield named, fn
-        for i, arg in enumerate(getattr(el, "args", ()) or ()):
-            yield f"{where}, argument {i + 1}", arg
-
-
 def held(drv, per_rank: frozenset[str] = frozenset()) -> list[tuple[str, str, Any]]:
     """(where, kind, value) of every module, optimizer and parameter the run holds, outermost only (a module's
     own parameters are part of it), registers first (so a value is named by its register), each once; the
     registers declared per-rank, and what is reachable only through them, left out."""
-    from ..persist.culprit import DEPTH, _inside
+    from ..persist.culprit import DEPTH, program_places, values_in
+    from ..program.element import Element
 
     if ANY in per_rank or "torch" not in sys.modules:
         return []
@@ -127,10 +85,11 @@ def held(drv, per_rank: frozenset[str] = frozenset()) -> list[tuple[str, str, An
     roots: list[tuple[str, Any, bool]] = [(f"registers/{name}", value, name in per_rank)
                                           for name, value in dict(drv.registers).items()]
     roots.sort(key=lambda r: not r[2])  # the per-rank registers first: what they hold is theirs
+    roots += [(w, v, False) for w, v in program_places(drv.program) if not isinstance(v, Element)]
     found: list[tuple[str, str, Any]] = []
-    for where, value, skip in roots + [(w, v, False) for w, v in _program_roots(drv.program)]:
+    for where, value, skip in roots:
         inside: str | None = None
-        for place, item in _inside(where, value, DEPTH, seen):
+        for place, item in values_in(where, value, DEPTH, seen):
             if inside is not None and place.startswith(inside) and place[len(inside):len(inside) + 1] in ".[ ":
                 continue  # part of a value found already
             kind = _kind(item)
@@ -209,10 +168,16 @@ def check(drv, per_rank: Iterable[str] = (), when: str = "") -> None:
         return
     names = per_rank if isinstance(per_rank, frozenset) else per_rank_names(per_rank)
     mine = digests(drv, names)
-    every = group.gather([(where, kind, d) for where, kind, d, _ in mine])
-    values = {where: value for where, _, _, value in mine}
+    differing = _differing(group.gather([(where, kind, d) for where, kind, d, _ in mine]))
+    if differing:
+        values = {where: value for where, _, _, value in mine}
+        raise _refusal(differing, values, f" {when}" if when else f" at step {drv.steps}", drv.steps)
+
+
+def _differing(every: list) -> list[tuple[str, str, list[int]]]:
+    """(where, kind, the ranks whose digest differs from rank 0's) from each rank's (where, kind, digest)s."""
     maps = [{where: d for where, _, d in e} for e in every]
-    differing: list[tuple[str, str, list[int]]] = []
+    differing = []
     for where, kind, d in every[0]:
         ranks = [r for r in range(1, len(every)) if maps[r].get(where) != d]
         if ranks:
@@ -221,27 +186,30 @@ def check(drv, per_rank: Iterable[str] = (), when: str = "") -> None:
         for where, kind, _ in every[r]:
             if where not in maps[0] and all(w != where for w, _, _ in differing):
                 differing.append((where, kind, [r]))
-    if not differing:
-        return
+    return differing
+
+
+def _refusal(differing: list, values: dict, at: str, step: int) -> ReplicaError:
     where, kind, ranks = differing[0]
     rest = [w for w, _, _ in differing[1:]]
     others = f" (and {', '.join(rest[:3])}{', ...' if len(rest) > 3 else ''})" if rest else ""
     on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-    at = f" {when}" if when else f" at step {drv.steps}"
-    registers = list(dict.fromkeys(r for r in (_register(w) for w, _, _ in differing) if r is not None))
     value = values.get(where)
     shown = f" ({type(value).__name__})" if value is not None else ""
-    if all(_register(w) is not None for w, _, _ in differing):  # every one held by a register: named
-        names = ", ".join(map(repr, registers)) + ("," if len(registers) == 1 else "")
-        declare = (f"declare {'it' if len(registers) == 1 else 'them'} per-rank if each rank is meant to keep its "
-                   f"own (PER_RANK = ({names}) in the program file)")
-    else:
-        declare = ("hold it in a register declared per-rank (PER_RANK in the program file) if each rank is meant to "
-                   "keep its own")
-    raise ReplicaError(
+    return ReplicaError(
         f"the ranks train different models: {where} holds {_WHAT[kind]}{shown} whose copy on {on} differs from "
         f"rank 0's{at} ({_DIFFERS[kind]}){others}; wrap the model in torch.nn.parallel.DistributedDataParallel so "
-        f"that the ranks average their gradients and keep one model, or {declare}", where, tuple(ranks), drv.steps)
+        f"that the ranks average their gradients and keep one model, or {_declare(differing)}", where,
+        tuple(ranks), step)
+
+
+def _declare(differing: list) -> str:
+    registers = list(dict.fromkeys(r for r in (_register(w) for w, _, _ in differing) if r is not None))
+    if all(_register(w) is not None for w, _, _ in differing):  # every one held by a register: named
+        names = ", ".join(map(repr, registers)) + ("," if len(registers) == 1 else "")
+        return (f"declare {'it' if len(registers) == 1 else 'them'} per-rank if each rank is meant to keep its "
+                f"own (PER_RANK = ({names}) in the program file)")
+    return "hold it in a register declared per-rank (PER_RANK in the program file) if each rank is meant to keep its own"
 
 
 # ------------------------------------------------------------------ the first optimizer step

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 from ..program.paths import format_path
 
-__all__ = ["held_at", "places", "unpicklable_at"]
+__all__ = ["held_at", "places", "unpicklable_at", "program_places", "values_in", "DEPTH"]
 
 DEPTH = 6  # how deep the walk goes into a register's value
 
@@ -36,7 +36,7 @@ def unpicklable_at(driver, dumps: Callable[[Any], Any], error: BaseException | N
     reduction explains the refusal is named, not the part of it that does not pickle); None when every
     place pickles alone."""
     found = None
-    for where, value in [*places(driver), *_program_places(driver.program)]:
+    for where, value in [*places(driver), *program_places(driver.program)]:
         if found is not None and not _inside_of(where, found[0]):
             break  # past the failing value's insides: the innermost failure was found
         try:
@@ -51,21 +51,45 @@ def _inside_of(where: str, outer: str) -> bool:
     return where.startswith(outer) and where[len(outer):len(outer) + 1] in (".", "[", ",", " ")
 
 
-def _program_places(program) -> Iterator[tuple[str, Any]]:
+def program_places(program) -> Iterator[tuple[str, Any]]:
+    """(where, value) for what the program's leaves hold beside the registers: each leaf itself, a CALL's
+    function, the object its method is bound to, its partial's arguments, the values it closes over, its
+    default arguments, and the leaf's own arguments (``CALL at 0.1, function f, default argument 1``)."""
     from ..program.paths import walk
 
     for path, el in walk(program):
         if el.is_leaf:
             where = f"{el.kind} at {format_path(path) or 'the root'}"
             yield where, el
-            fn = getattr(el, "fn", None)
-            if fn is not None:
-                named = f"{where}, function {getattr(fn, '__qualname__', type(fn).__name__)}"
-                yield named, fn
-                for i, default in enumerate(getattr(fn, "__defaults__", None) or ()):
-                    yield f"{named}, default argument {i + 1}", default
+            yield from _function_places(where, getattr(el, "fn", None))
             for i, arg in enumerate(getattr(el, "args", ()) or ()):
                 yield f"{where}, argument {i + 1}", arg
+
+
+def _function_places(where: str, fn: Any) -> Iterator[tuple[str, Any]]:
+    import functools
+
+    while isinstance(fn, functools.partial):
+        for i, arg in enumerate(fn.args):
+            yield f"{where}, partial argument {i + 1}", arg
+        for key, arg in (fn.keywords or {}).items():
+            yield f"{where}, partial argument {key}", arg
+        fn = fn.func
+    if fn is None:
+        return
+    name = str(getattr(fn, "__qualname__", None) or type(fn).__name__).rsplit("<locals>.", 1)[-1]
+    named = f"{where}, function {name}"
+    yield named, fn
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, type(functools)):
+        yield f"{named}, self", owner
+    for cell, var in zip(getattr(fn, "__closure__", None) or (), getattr(getattr(fn, "__code__", None), "co_freevars", ())):
+        try:
+            yield f"{named}, variable {var}", cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    for i, default in enumerate(getattr(fn, "__defaults__", None) or ()):
+        yield f"{named}, default argument {i + 1}", default
 
 
 def places(driver) -> Iterator[tuple[str, Any]]:
@@ -73,7 +97,7 @@ def places(driver) -> Iterator[tuple[str, Any]]:
     they hold (see the module docstring)."""
     seen: set[int] = set()
     for name, value in dict(driver.registers).items():
-        yield from _inside(f"registers/{name}", value, DEPTH, seen)
+        yield from values_in(f"registers/{name}", value, DEPTH, seen)
     state = driver.snapshot()
     from ..machine.slots import SLOT_NAMES, walk
 
@@ -83,9 +107,9 @@ def places(driver) -> Iterator[tuple[str, Any]]:
         names = next((SLOT_NAMES[k] for k in type(el).__mro__ if k in SLOT_NAMES), ())
         for j, value in enumerate(frame[1:]):
             slot = names[j] if j < len(names) else f"slot {j + 1}"
-            yield from _inside(f"frame of {el.kind} at {format_path(path) or 'the root'} ({slot})", value, 3, seen)
+            yield from values_in(f"frame of {el.kind} at {format_path(path) or 'the root'} ({slot})", value, 3, seen)
     if state.carry is not _nothing():
-        yield from _inside("the value passed on by the element that just finished", state.carry, DEPTH, seen)
+        yield from values_in("the value passed on by the element that just finished", state.carry, DEPTH, seen)
 
 
 def _nothing():
@@ -97,7 +121,9 @@ def _nothing():
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), type)
 
 
-def _inside(where: str, value: Any, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
+def values_in(where: str, value: Any, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
+    """(where, value) for value and what it holds (containers' items, objects' attributes), depth levels deep,
+    each object once (seen: the ids met so far)."""
     if isinstance(value, _LEAVES):
         return
     if id(value) in seen:
@@ -107,7 +133,7 @@ def _inside(where: str, value: Any, depth: int, seen: set[int]) -> Iterator[tupl
     if depth <= 0 or _opaque(value):
         return
     for sub, item in _parts(value):
-        yield from _inside(where + sub, item, depth - 1, seen)
+        yield from values_in(where + sub, item, depth - 1, seen)
 
 
 def _opaque(value: Any) -> bool:

@@ -6,6 +6,7 @@ import pickle
 from flowvm.base.errors import CopyError, UsageError
 from flowvm.base.interrupts import Interrupted
 from flowvm.persist.refusals import LiveGraph
+from flowvm.distributed.replicas import ReplicaError
 
 import cloudpickle
 import pytest
@@ -38,6 +39,7 @@ SAMPLES = [
     UsageError("option 'lr' takes a finite number, got '1e999'"),
     Interrupted("Batches: stopped by SIGTERM: worker 0 (pid 7, stopped) made nothing for 3 s", 15),
     LiveGraph(7),  # (the pickler's signal, carrying the tensor it met)
+    ReplicaError("the ranks train different models: registers/net holds a torch module", "registers/net", (1,), 4),
 ]
 
 COPIERS = {

@@ -105,8 +105,8 @@ def test_what_is_compared_is_named_by_the_place_that_holds_it():
     drv = SEQ([CALL(trainer.step), CALL(lambda m: None, own, store_to=reg("loss"))]).start()
     places = [(where, kind) for where, kind, _ in replicas.held(drv, frozenset({"stats"}))]
     assert places == [("registers/net", "module"), ("registers/w", "parameter"),
-                      ("CALL at 0 (Trainer.step), self.model", "module"),
-                      ("CALL at 0 (Trainer.step), self.optimizer", "optimizer")]  # stats's module: per-rank
+                      ("CALL at 0, function Trainer.step, self.model", "module"),
+                      ("CALL at 0, function Trainer.step, self.optimizer", "optimizer")]  # stats's module: per-rank
     assert replicas.held(drv, frozenset({"*"})) == []
 
     def digest():
@@ -118,6 +118,6 @@ def test_what_is_compared_is_named_by_the_place_that_holds_it():
     with torch.no_grad():
         trainer.model[0].weight[0, 0] = torch.nextafter(trainer.model[0].weight[0, 0], torch.tensor(2.0))
     after = digest()  # one ulp of one weight
-    assert after["CALL at 0 (Trainer.step), self.model"] != before["CALL at 0 (Trainer.step), self.model"]
+    assert after["CALL at 0, function Trainer.step, self.model"] != before["CALL at 0, function Trainer.step, self.model"]
     assert {k: v for k, v in after.items() if "self.model" not in k} == \
            {k: v for k, v in before.items() if "self.model" not in k}
