@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..base.errors import CheckpointError
+from ..base.errors import CheckpointError, UsageError
 from ..persist.lock import holding
 from ..distributed import checkpoints, group
 from ..distributed.launching import RankError, config, record_error, run_elastic
@@ -183,7 +183,7 @@ def _as_rank(args, body) -> int:
     group.init(args.dist_timeout)
     try:
         return _stopped_on_purpose(body(args))
-    except ReplicaError as err:  # every rank found it, at the same step: said once a host, status 2
+    except (group.AllRanksError, UsageError) as err:  # every rank alike, at one step: said once a host, status 2
         if group.local_rank() == 0:
             print(f"flowvm: {err}", file=sys.stderr, flush=True)
         return _stopped_on_purpose(2)

@@ -13,7 +13,6 @@ flowvm.persist.storage, atomically.
 from __future__ import annotations
 
 import inspect
-import os
 import contextlib
 import signal
 import sys
@@ -26,23 +25,13 @@ from ..persist.formats import format_of
 from ..persist.lock import holding
 from ..persist.storage import read_start
 from ..machine.driver import Driver
+from ..machine.runstate import save_wait
 from ..program.analysis import static_steps
 from ..base import interrupts
 from ..base.errors import CheckpointError, CopyError, StoppedDuringStartup
 
 DEFAULT_EVERY_SECONDS = 60.0
 _MAX_CHUNK = 1 << 20  # steps per driver.run() call, at most
-# A save waits for a step the run resumes from exactly (Driver.copyable: no autograd graph a later backward
-# needs) at most this long ($FLOWVM_SAVE_WAIT seconds); then the checkpoint is skipped (a periodic one) or not
-# written (the last one).
-WAIT_SECONDS = 20.0
-
-
-def save_wait() -> float:
-    try:
-        return max(0.0, float(os.environ.get("FLOWVM_SAVE_WAIT", WAIT_SECONDS)))
-    except ValueError:
-        return WAIT_SECONDS
 
 
 class Stop:

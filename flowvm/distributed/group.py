@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from ..base.errors import FlowError
 from ..pickled import stable
 
 __all__ = ["rank", "world_size", "local_rank", "launched", "init", "shutdown", "backend", "agree",
@@ -168,6 +169,12 @@ def barrier() -> None:
 
 
 @stable("flowvm.distributed")
+@stable("flowvm.distributed")
+class AllRanksError(FlowError):
+    """A refusal every rank reaches alike, at the same step (after an agreement): the launcher says it once a
+    host, in one line, and exits with status 2 without restarting the group."""
+
+
 class Rank0:
     """A function that runs on rank 0 only (printing, writing a file) and returns None on the other ranks;
     outside a distributed run it always runs.  ``CALL(rank0(print), reg("loss"))``."""

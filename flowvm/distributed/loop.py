@@ -7,11 +7,12 @@ thus happens at the same step boundary on every rank, whichever rank the signal 
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..base.errors import FlowError
+from ..machine.runstate import save_wait
 from ..program.analysis import static_steps
 from . import checkpoints, group, replicas
 
@@ -77,9 +78,33 @@ class Synchronized:
 
     def save(self) -> None:
         if self.location is not None and (self.drv.steps != self.saved_step or not self.written):
+            self.exact()
             self.check_replicas()
             checkpoints.save(self.drv, self.location, self.key, self.meta)
             self.saved_step, self.saved_time, self.written = self.drv.steps, time.monotonic(), True
+
+    def exact(self) -> None:
+        """Every rank steps on, together, until no rank's run holds an autograd graph a later backward() still
+        needs (Driver.copyable), so that the coordinated checkpoint resumes exactly; rank 0 says how far it
+        went.  Past save_wait() seconds (any rank's clock) every rank refuses alike (AllRanksError)."""
+        drv, start, t0 = self.drv, self.drv.steps, time.monotonic()
+        while True:
+            problem = None if drv.done else drv.copyable()
+            blocked, late = group.agree(int(problem is not None), int(time.monotonic() - t0 >= save_wait()))
+            if not blocked:
+                break
+            if late:
+                where = problem.where if problem is not None else "another rank's register"
+                raise group.AllRanksError(
+                    f"checkpoint {self.location}: not saved: {where} still holds an autograd graph a later "
+                    f"backward() may run through after {drv.steps - start} more steps; it keeps the run as saved "
+                    f"at step {self.saved_step}")
+            drv.run(max_steps=1)
+        if drv.steps > start and group.rank() == 0:
+            print(f"flowvm: saving at step {drv.steps}, not {start}: a register held an autograd graph that a "
+                  f"backward() still needed, and a copy resumes exactly only without one (waited "
+                  f"{drv.steps - start} step{'s' if drv.steps - start != 1 else ''}, {time.monotonic() - t0:.2f} s)",
+                  file=sys.stderr, flush=True)
 
     def _chunk(self, limit: int | None) -> int:
         n = self.sync_every
@@ -101,7 +126,7 @@ class Synchronized:
             getattr(stop, "signal", None) or 0, int(due), drv.steps, -drv.steps, int(drv.done), int(not drv.done),
             int(stepped))
         if most != -least or (done and running):
-            raise FlowError(f"the ranks' runs differ: they are at steps {-least} to {most}"
+            raise group.AllRanksError(f"the ranks' runs differ: they are at steps {-least} to {most}"
                             f"{' and some have finished' if done and running else ''} (rank {group.rank()} at step "
                             f"{drv.steps}); every rank must take the same steps (a Batches serves as many batches on "
                             "every rank: look for a loop or a condition that depends on the rank)")
@@ -120,7 +145,7 @@ class Synchronized:
         total = -1 if total is None else int(total)
         most, least = group.agree(total, -total)
         if most != -least:
-            raise FlowError(f"the ranks' programs take different numbers of steps ({-least} to {most}; rank "
+            raise group.AllRanksError(f"the ranks' programs take different numbers of steps ({-least} to {most}; rank "
                             f"{group.rank()}: {total}): every rank must take the same steps (a Batches serves as "
                             "many batches on every rank: look for a loop count that depends on the rank)")
 

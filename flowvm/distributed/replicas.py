@@ -19,7 +19,6 @@ import hashlib
 import sys
 from typing import Any, Iterable, Iterator
 
-from ..base.errors import FlowError
 from ..pickled import stable
 from . import group
 
@@ -29,7 +28,7 @@ ANY = "*"  # PER_RANK = "*": no value of the run is checked
 
 
 @stable("flowvm.distributed")
-class ReplicaError(FlowError):
+class ReplicaError(group.AllRanksError):
     """The ranks of a data-parallel run hold different models: ``where`` names the value that differs (a
     register, ``registers/model``, or what a CALL is bound to), ``ranks`` the ranks whose copy differs from
     rank 0's, ``step`` the step it was found at.  The flowvm command prints it as one line and exits with

@@ -6,6 +6,7 @@ driver's underscore fields (tests/test_ownership.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,6 +206,20 @@ class RunStateAccess:
         apply_settings(pending["settings"], announce=pending["announce"], owner=self)
         self._resume = None
         run_starts(self.program)
+
+
+# A save that nobody timed by hand (the command's, a coordinated checkpoint's) waits for a step the run resumes
+# from exactly (Driver.copyable: no autograd graph a later backward needs) at most this long ($FLOWVM_SAVE_WAIT
+# seconds); then the checkpoint is skipped (a periodic one) or not written (the last one).
+WAIT_SECONDS = 20.0
+
+
+def save_wait() -> float:
+    """$FLOWVM_SAVE_WAIT, else WAIT_SECONDS."""
+    try:
+        return max(0.0, float(os.environ.get("FLOWVM_SAVE_WAIT", WAIT_SECONDS)))
+    except ValueError:
+        return WAIT_SECONDS
 
 
 def run_starts(program: Element) -> None:

@@ -121,3 +121,20 @@ def test_what_is_compared_is_named_by_the_place_that_holds_it():
     assert after["CALL at 0, function Trainer.step, self.model"] != before["CALL at 0, function Trainer.step, self.model"]
     assert {k: v for k, v in after.items() if "self.model" not in k} == \
            {k: v for k, v in before.items() if "self.model" not in k}
+
+
+def test_a_coordinated_checkpoint_lands_on_a_step_that_resumes_exactly(tmp_path):
+    # 5 steps an update (batch, zero_grad, loss, backward, step): --max-steps 3 stops after the loss, before its
+    # backward; the ranks step on together to step 4 and save there
+    base = ["--nproc", "2", "--set", "wrap=True", "--set", "split=True", "--sync-every", "1"]
+    straight = flowvm("run", str(PROG), *base)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    ckpt = tmp_path / "run"
+    paused = flowvm("run", str(PROG), *base, "--checkpoint", str(ckpt), "--max-steps", "3")
+    assert paused.returncode == 0, paused.stderr[-3000:]
+    assert paused.stderr.count("flowvm: saving at step 4, not 3: a register held an autograd graph") == 1, \
+        paused.stderr[-3000:]
+    resumed = flowvm("resume", str(ckpt))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    weights = [line for line in straight.stdout.splitlines() if line.startswith("weights ")]
+    assert weights and weights == [line for line in resumed.stdout.splitlines() if line.startswith("weights ")]
