@@ -332,6 +332,8 @@ def _check_counts(args) -> None:
         least = 0 if name == "max_steps" else 1
         if value is not None and value < least:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {least}")
+    if getattr(args, "sync_every", 1) < 1:
+        raise UsageError("--sync-every must be >= 1")
     if getattr(args, "every_seconds", None) is not None and not args.every_seconds > 0:
         raise UsageError("--every-seconds must be > 0")
     if args.command == "run" and args.checkpoint is None and (args.every or args.every_seconds):

@@ -17,6 +17,8 @@ A rank restarted by the agent finds the checkpoint its run saved (same run id) a
 from __future__ import annotations
 
 import gc
+import math
+import socket
 import os
 import signal
 import sys
@@ -73,21 +75,23 @@ def cmd_run(args) -> int:
     location = _location(args.checkpoint)
     check_output(args.output)
     if not group.launched():
+        _check_options(args)
         if location is not None and not args.force:
             _refuse_unfinished(location, key_of(args))
-        return _launch(args, args.nproc or 1, location)
+        return _launch(args, 1 if args.nproc is None else args.nproc, location)
     return _as_rank(args, _run_rank)
 
 
 def cmd_resume(args) -> int:
     location = _location(args.path)
     if args.program is not None or args.set:
-        raise SystemExit("flowvm: --program and --set resume state checkpoints (.safetensors) only")
+        raise UsageError("--program and --set resume state checkpoints (.safetensors) only")
     if not checkpoints.is_checkpoint(location):
-        raise SystemExit(f"flowvm: {location} holds no distributed checkpoint (no {checkpoints.MANIFEST})")
+        raise UsageError(f"{location} holds no distributed checkpoint (no {checkpoints.MANIFEST})")
     if not group.launched():
-        manifest = checkpoints.read_manifest(location, key_of(args))
-        return _launch(args, args.nproc or manifest["world_size"], location)
+        _check_options(args)
+        manifest = checkpoints.verify(location, key_of(args))  # a damaged file: one line, before any rank
+        return _launch(args, manifest["world_size"] if args.nproc is None else args.nproc, location)
     return _as_rank(args, _resume_rank)
 
 
@@ -100,12 +104,45 @@ def complete_step(args) -> None:
 
 
 # ------------------------------------------------------------------ the launcher
+def _check_options(args) -> None:
+    """The data-parallel options, refused in one line before any rank starts."""
+    if args.nproc is not None and args.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nnodes < 1 or args.max_restarts < 0:
+        raise UsageError(f"--nnodes must be >= 1 and --max-restarts >= 0, got {args.nnodes} and {args.max_restarts}")
+    if args.sync_every < 1:
+        raise UsageError(f"--sync-every must be >= 1, got {args.sync_every}")
+    try:
+        seconds = group.timeout_seconds(args.dist_timeout)
+    except ValueError as err:
+        raise UsageError(f"--dist-timeout: {err}" if args.dist_timeout is not None else str(err)) from None
+    if not math.isfinite(seconds):
+        raise UsageError(f"the collectives' timeout must be a finite number of seconds, got {seconds}")
+    if args.rdzv is not None:
+        _check_endpoint(args.rdzv, args.node_rank)
+
+
+def _check_endpoint(rdzv: str, node_rank: int | None) -> None:
+    """--rdzv HOST:PORT: a port, and, where this host would serve the rendezvous, a port no one else holds."""
+    host, sep, port = rdzv.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--rdzv must be HOST:PORT, got {rdzv!r}")
+    if node_rank not in (None, 0) or host.strip("[]") not in ("127.0.0.1", "localhost", "::1", socket.gethostname()):
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as probe:
+        try:
+            probe.bind((host.strip("[]"), int(port)))
+        except OSError as err:
+            raise UsageError(f"--rdzv {rdzv}: this host cannot serve the rendezvous there ({err.strerror}): another "
+                             "process holds the port; choose another port") from None
+
+
 def _location(value):
     if value is None:
         return None
     if isinstance(value, Path):
         if value.exists() and not value.is_dir():
-            raise SystemExit(f"flowvm: --checkpoint {value}: a data-parallel run saves into a folder; "
+            raise UsageError(f"--checkpoint {value}: a data-parallel run saves into a folder; "
                              f"{value} is a file")
         return value
     return value.rstrip("/")
@@ -115,7 +152,7 @@ def _refuse_unfinished(location, key) -> None:
     if checkpoints.is_checkpoint(location):
         manifest = checkpoints.read_manifest(location, key)
         if not manifest.get("done"):
-            raise SystemExit(f"flowvm: {location} holds an unfinished run (step {manifest.get('steps')}); "
+            raise UsageError(f"{location} holds an unfinished run (step {manifest.get('steps')}); "
                              f"continue it with `flowvm resume {location}`, or pass --force to start over")
 
 
@@ -133,12 +170,12 @@ def _launch(args, nproc: int, location) -> int:
 
 def _launch_ranks(args, nproc: int) -> int:
     if nproc < 1 or args.nnodes < 1 or args.max_restarts < 0:
-        raise SystemExit("flowvm: --nproc and --nnodes must be >= 1, --max-restarts >= 0")
+        raise UsageError("--nproc and --nnodes must be >= 1, --max-restarts >= 0")
     try:
         cfg = config(nproc, args.nnodes, args.rdzv, args.node_rank, args.max_restarts,
                      run_id=args.rdzv_id)
     except ValueError as err:
-        raise SystemExit(f"flowvm: {err}") from None
+        raise UsageError(f"{err}") from None
     args.stop.restore()  # the agent takes SIGINT/SIGTERM over and passes them to the ranks
     with tempfile.TemporaryDirectory(prefix="flowvm-launch-") as box:
         os.environ[STOPPED_ENV] = box  # the ranks' environment: where they say they stopped on purpose

@@ -86,6 +86,32 @@ def read_manifest(location: Path | str, key: str | bytes | None = None) -> dict:
         raise CheckpointError(where, "is signed: give its key")
     if key is not None and not hmac.compare_digest(signature or "", _signature(manifest, key) or ""):
         raise CheckpointError(where, "refused: the signature does not match the key (or the file was changed)")
+    _check_fields(manifest, where)
+    return manifest
+
+
+_FIELDS = {"folder": str, "steps": int, "done": bool, "world_size": int, "parts": list, "meta": dict}
+
+
+def _check_fields(manifest: dict, where: Any) -> None:
+    """Every field a reader uses, of its type (a junk manifest is a CheckpointError naming the field)."""
+    for name, kind in _FIELDS.items():
+        value = manifest.get(name)
+        if type(value) is not kind:
+            raise CheckpointError(where, f"corrupted manifest: {name!r} is {value!r:.40}, expected a {kind.__name__}")
+    if manifest["world_size"] < 1 or len(manifest["parts"]) != manifest["world_size"] or \
+            not all(isinstance(d, str) for d in manifest["parts"]) or "/" in manifest["folder"]:
+        raise CheckpointError(where, "corrupted manifest: its folder, world size and parts do not agree")
+
+
+def verify(location: Path | str, key: str | bytes | None = None) -> dict:
+    """The manifest of the last complete checkpoint at location, after checking every file it names: each
+    rank's part against its checksum, and the shared run's checksum (and signature, with key).  A damaged or
+    missing file is a CheckpointError naming it, found before any rank starts."""
+    manifest = read_manifest(location, key)
+    for r in range(manifest["world_size"]):
+        _read_part(location, manifest, r)
+    checkpoint.read_header(join(location, f"{manifest['folder']}/shared.ckpt"), key=key)
     return manifest
 
 
@@ -328,7 +354,10 @@ def _read_part(location, manifest: dict, r: int) -> dict:
     data = storage.read_bytes(where)
     if hashlib.sha256(data).hexdigest() != manifest["parts"][r]:
         raise CheckpointError(where, "its checksum differs from the manifest's (changed or damaged)")
-    return _decode(data, where)
+    part = _decode(data, where)
+    if not isinstance(part, dict):
+        raise CheckpointError(where, "corrupted rank state (not an object)")
+    return part
 
 
 def load(location: Path | str, key: str | bytes | None = None, restore_settings: bool = True):

@@ -1,0 +1,123 @@
+"""Faults a user can cause to a data-parallel run, from the outside: bad options, a taken rendezvous port, and
+damaged coordinated checkpoints.  Each is one line starting ``flowvm:``, exit status 2, no traceback, no rank
+left running, and the checkpoint as it was (a good copy of it resumes exactly)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+pytestmark = pytest.mark.timeout(600)
+
+PROG = Path(__file__).with_name("progs_replicas.py")
+BASE = ["--set", "wrap=True", "--sync-every", "2"]
+
+
+def flowvm(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-P", "-m", "flowvm", *map(str, args), "--progress", "none"],
+                          capture_output=True, text=True, timeout=180, env=dict(os.environ, **(env or {})))
+
+
+def refused_in_one_line(done: subprocess.CompletedProcess, words: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("flowvm: ") and words in lines[0], done.stderr[-3000:]
+
+
+def no_rank_left() -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        mine = [p for p in psutil.process_iter(["cmdline"])
+                if p.info["cmdline"] and str(PROG) in " ".join(p.info["cmdline"]) and p.pid != os.getpid()]
+        if not mine:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"ranks left running: {[p.pid for p in mine]}")
+
+
+@pytest.mark.parametrize("args, env, words", [
+    (["--nproc", "0"], {}, "--nproc must be >= 1, got 0"),
+    (["--nproc", "2", "--sync-every", "0"], {}, "--sync-every must be >= 1"),
+    (["--nproc", "2", "--dist-timeout", "-1"], {}, "timeout must be > 0 seconds"),
+    (["--nproc", "2"], {"FLOWVM_DIST_TIMEOUT": "abc"}, "$FLOWVM_DIST_TIMEOUT must be a number of seconds, got 'abc'"),
+    (["--nproc", "2"], {"FLOWVM_DIST_TIMEOUT": "-1"}, "timeout must be > 0 seconds"),
+    (["--nproc", "2", "--set", "epochs=1e999"], {}, "option 'epochs' takes an int"),
+])
+def test_bad_options_are_one_line_and_status_2(args, env, words):
+    refused_in_one_line(flowvm("run", PROG, *args, env=env), words)
+    no_rank_left()
+
+
+def test_a_taken_rendezvous_port_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        refused_in_one_line(flowvm("run", PROG, "--nproc", "2", "--rdzv", f"127.0.0.1:{port}"),
+                            f"--rdzv 127.0.0.1:{port}: this host cannot serve the rendezvous there")
+    no_rank_left()
+
+
+def _damage_folder(run: Path) -> Path:
+    return run / json.loads((run / "manifest.json").read_text())["folder"]
+
+
+DAMAGES = {
+    "a rank's part deleted": (lambda run: (_damage_folder(run) / "rank-00001.json").unlink(), "rank-00001.json"),
+    "a rank's part flipped": (lambda run: _flip(_damage_folder(run) / "rank-00000.json"), "checksum differs"),
+    "the shared run cut": (lambda run: _cut(_damage_folder(run) / "shared.ckpt"), "shared.ckpt"),
+    "a junk manifest": (lambda run: (run / "manifest.json").write_text(
+        json.dumps({"format": json.loads((run / "manifest.json").read_text())["format"], "junk": 1})),
+        "corrupted manifest: 'folder'"),
+    "a manifest that is no JSON": (lambda run: (run / "manifest.json").write_text("{not json"), "corrupted manifest"),
+}
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    path.write_bytes(bytes(data))
+
+
+def _cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 2-rank run paused at step 6 with its checkpoint, and the uninterrupted run's weights."""
+    base = tmp_path_factory.mktemp("faults")
+    straight = flowvm("run", PROG, "--nproc", "2", *BASE)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run = base / "run"
+    paused = flowvm("run", PROG, "--nproc", "2", *BASE, "--checkpoint", run, "--max-steps", "6")
+    assert paused.returncode == 0, paused.stderr[-3000:]
+    weights = [line for line in straight.stdout.splitlines() if line.startswith("weights ")]
+    return run, weights
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_checkpoint_is_one_line_and_a_good_copy_resumes_exactly(saved, tmp_path, damage):
+    run, weights = saved
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    spoil, words = DAMAGES[damage]
+    spoil(copy)
+    refused_in_one_line(flowvm("resume", copy), words)
+    no_rank_left()
+    good = tmp_path / "good"
+    shutil.copytree(run, good)
+    resumed = flowvm("resume", good)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [line for line in resumed.stdout.splitlines() if line.startswith("weights ")] == weights
