@@ -288,15 +288,15 @@ def save(drv, location: Path | str, key: str | bytes | None = None, meta: dict |
     failed = [(r, e) for r, (_, e) in enumerate(results) if e is not None]
     if failed:
         r, e = failed[0]
-        raise CheckpointError(location, f"rank {r} could not save its part ({e}); the previous checkpoint is "
-                                        "kept")
+        raise group.SaveFailed(location, f"rank {r} could not save its part ({e}); the previous checkpoint is "
+                                         "kept")
     outcome = None
     if group.rank() == 0:
         outcome = _try(_commit, location, folder, drv, [d for d, _ in results], key, meta)
     manifest, error = group.broadcast(outcome)
     if error is not None:
-        raise CheckpointError(location, f"the manifest could not be written ({error}); the previous "
-                                        "checkpoint is kept")
+        raise group.SaveFailed(location, f"the manifest could not be written ({error}); the previous "
+                                         "checkpoint is kept")
     return manifest
 
 

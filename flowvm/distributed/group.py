@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from ..base.errors import FlowError
+from ..base.errors import CheckpointError, FlowError
 from ..pickled import stable
 
 __all__ = ["rank", "world_size", "local_rank", "launched", "init", "shutdown", "backend", "agree",
@@ -169,12 +169,21 @@ def barrier() -> None:
 
 
 @stable("flowvm.distributed")
-@stable("flowvm.distributed")
 class AllRanksError(FlowError):
     """A refusal every rank reaches alike, at the same step (after an agreement): the launcher says it once a
     host, in one line, and exits with status 2 without restarting the group."""
 
 
+@stable("flowvm.distributed")
+class SaveFailed(AllRanksError, CheckpointError):
+    """A coordinated checkpoint that could not be written (a full disk, a quota), raised on every rank alike:
+    one line, status 2; the previous checkpoint stays the complete one."""
+
+    def __init__(self, path: Any, reason: str):
+        CheckpointError.__init__(self, path, reason)
+
+
+@stable("flowvm.distributed")
 class Rank0:
     """A function that runs on rank 0 only (printing, writing a file) and returns None on the other ranks;
     outside a distributed run it always runs.  ``CALL(rank0(print), reg("loss"))``."""

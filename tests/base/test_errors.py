@@ -7,6 +7,7 @@ from flowvm.base.errors import CopyError, UsageError
 from flowvm.base.interrupts import Interrupted
 from flowvm.persist.refusals import LiveGraph
 from flowvm.distributed.replicas import ReplicaError
+from flowvm.distributed.group import AllRanksError, SaveFailed
 
 import cloudpickle
 import pytest
@@ -40,6 +41,8 @@ SAMPLES = [
     Interrupted("Batches: stopped by SIGTERM: worker 0 (pid 7, stopped) made nothing for 3 s", 15),
     LiveGraph(7),  # (the pickler's signal, carrying the tensor it met)
     ReplicaError("the ranks train different models: registers/net holds a torch module", "registers/net", (1,), 4),
+    AllRanksError("the ranks' programs take different numbers of steps (55 to 64)"),
+    SaveFailed("/runs/a", "rank 1 could not save its part (No space left on device); the previous checkpoint is kept"),
 ]
 
 COPIERS = {

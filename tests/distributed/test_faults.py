@@ -121,3 +121,24 @@ def test_a_damaged_checkpoint_is_one_line_and_a_good_copy_resumes_exactly(saved,
     resumed = flowvm("resume", good)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [line for line in resumed.stdout.splitlines() if line.startswith("weights ")] == weights
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of 16 kB (root makes it; the test is root's, as CI's is)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True)
+    assert done.returncode == 0, f"cannot mount a small tmpfs: {done.stderr!r}"
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_during_a_coordinated_save_is_one_line(small_disk):
+    done = flowvm("run", PROG, "--nproc", "2", *BASE, "--checkpoint", small_disk / "run", "--every", "4")
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.strip().splitlines() if line.startswith("flowvm: ")]
+    assert len(lines) == 1 and "could not save" in lines[0] and "No space left on device" in lines[0], \
+        done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    no_rank_left()
