@@ -41,7 +41,7 @@ from typing import Any, Callable
 from . import interrupts
 from .errors import WorkerError
 
-__all__ = ["WorkerPool", "WorkerError", "process_alive", "start_method_for"]
+__all__ = ["WorkerPool", "WorkerError", "die_with_parent", "process_alive", "start_method_for"]
 
 _PR_SET_PDEATHSIG = 1
 _SLICE = 0.25  # seconds between the checks of a wait for a batch (timeout, stop asked for)
@@ -62,7 +62,7 @@ def start_method_for(requested: str | None) -> str:
 
 
 # ------------------------------------------------------------------ the worker's side
-def _die_with_parent(owner: int, pdeathsig: bool) -> None:
+def die_with_parent(owner: int, pdeathsig: bool = True) -> None:
     """Exit when the owner process is gone (SIGKILL from the kernel on Linux, and a watching thread)."""
     if pdeathsig and sys.platform.startswith("linux"):
         try:
@@ -98,7 +98,7 @@ def process_alive(pid: int) -> bool:
 
 
 def _worker_main(tasks, results, owner: int, pdeathsig: bool, maker: Any) -> None:
-    _die_with_parent(owner, pdeathsig)
+    die_with_parent(owner, pdeathsig)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     torch = sys.modules.get("torch")
     if torch is not None:

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 from ..base.errors import CheckpointError, UsageError
-from ..persist.lock import holding
+from ..base.workers import die_with_parent
+from ..persist.lock import hold_as_rank, holding
 from ..distributed import checkpoints, group
 from ..distributed.launching import RankError, config, record_error, run_elastic
 from ..distributed.loop import DEFAULT_SYNC_EVERY, Synchronized
@@ -217,6 +218,10 @@ def _run_agent(args, cfg) -> int:
 
 # ------------------------------------------------------------------ a rank
 def _as_rank(args, body) -> int:
+    die_with_parent(os.getppid())  # a rank never outlives the launcher that started it (SIGKILL'd too)
+    saves_to = args.checkpoint if args.command == "run" else (args.checkpoint or args.path)
+    if saves_to is not None:
+        hold_as_rank(saves_to)  # while it lives, a new run saving there is refused, its launcher gone or not
     group.init(args.dist_timeout)
     try:
         return _stopped_on_purpose(body(args))

@@ -34,7 +34,7 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["holding", "lock_name", "owner_text"]
+__all__ = ["holding", "hold_as_rank", "lock_name", "ranks_lock_name", "owner_text"]
 
 
 def lock_name(path: Path) -> Path:
@@ -86,12 +86,69 @@ def holding(target: Any) -> Iterator[None]:
         return
     fd = _lock_local(target, Path(path))
     try:
+        _no_ranks_left(target, Path(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
         yield
     finally:
+        _remove_ranks_lock(Path(path))
         try:
             os.unlink(lock_name(Path(path)))  # while still holding it: a waiting opener sees a fresh file
         except OSError:
             pass
+        os.close(fd)
+
+
+def _remove_ranks_lock(path: Path) -> None:
+    """The ranks' lock file, once no rank holds it (the run's ranks have ended)."""
+    try:
+        fd = os.open(ranks_lock_name(path), os.O_RDWR)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(ranks_lock_name(path))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def ranks_lock_name(path: Path) -> Path:
+    """The lock file the ranks of a data-parallel run saving to path hold, shared, while they live."""
+    return path.parent / f".{path.name}.ranks.lock"
+
+
+def hold_as_rank(target: Any) -> None:
+    """A rank of a data-parallel run saving to target holds the ranks' lock, shared, until its process ends:
+    a run whose launcher died while its ranks live still holds its checkpoint (``holding`` refuses)."""
+    loc = Location.of(target)
+    if loc.path is None or fcntl is None:
+        return
+    name = ranks_lock_name(Path(loc.path))
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # kept open, never closed: released when the rank ends
+        os.pwrite(fd, _owner(), 0)
+    except OSError:  # another launcher's check holds it for a moment, or no lock here: the launcher's lock stands
+        pass
+
+
+def _no_ranks_left(target: Any, path: Path) -> None:
+    """Refused while ranks of an earlier run saving to path still run (their launcher gone)."""
+    name = ranks_lock_name(path)
+    if not name.exists():
+        return
+    fd = os.open(name, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        owner = _read_owner(os.pread(fd, 4096, 0))
+        raise CheckpointError(target, f"in use: ranks of an earlier run still save here ({owner_text(owner)}, whose "
+                                      f"launcher is gone; lock {name}); wait until they end or stop them") from None
+    finally:
         os.close(fd)
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from flowvm import CheckpointError
+
 pytest.importorskip("torch.distributed")
 
 pytestmark = pytest.mark.timeout(600)
@@ -142,3 +144,47 @@ def test_a_full_disk_during_a_coordinated_save_is_one_line(small_disk):
         done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     no_rank_left()
+
+
+def test_ranks_die_with_their_launcher_and_a_resume_then_continues_exactly(tmp_path, saved):
+    import signal
+
+    _, weights = saved
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "flowvm", "run", str(PROG), "--nproc", "2", *BASE,
+                             "--set", "epochs=400", "--checkpoint", str(run), "--every", "8", "--progress", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run / "manifest.json").exists():  # the ranks run and have saved once
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    ranks = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    assert ranks
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in ranks):
+        assert time.monotonic() < deadline, "ranks outlived their launcher"
+        time.sleep(0.05)
+    resumed = flowvm("resume", run, "--max-steps", "4")  # the lock is free: the ranks are gone
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+def test_a_lock_is_not_free_while_ranks_of_a_dead_launcher_live(tmp_path):
+    from flowvm.persist.lock import holding
+
+    run = tmp_path / "run"
+    rank = subprocess.Popen([sys.executable, "-c", "import sys, time; from flowvm.persist.lock import hold_as_rank; "
+                             "hold_as_rank(sys.argv[1]); print('held', flush=True); time.sleep(60)", str(run)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointError, match="ranks of an earlier run still save here"):
+            with holding(run):
+                pass
+    finally:
+        rank.kill()
+        rank.wait()
+    with holding(run):  # the rank is gone: free
+        pass
+    assert not (tmp_path / ".run.ranks.lock").exists()
