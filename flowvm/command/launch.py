@@ -185,6 +185,9 @@ def _launch_ranks(args, nproc: int) -> int:
         finally:
             del os.environ[STOPPED_ENV]
         stopped = [int(p.read_text()) for p in Path(box).glob("stopped-*")]
+        finished = len(list(Path(box).glob("finished-*")))
+    if code >= 128 and finished == nproc and not stopped:  # a signal after every rank had finished the run
+        return 0
     return max(stopped) if code == 0 and stopped else code
 
 
@@ -249,8 +252,11 @@ def _stopped_on_purpose(status: int) -> int:
     launcher so and ends with 0, so that the agent does not take the stop for a failure to restart after
     (``--max-restarts``); under another launcher (torchrun) it ends with its status."""
     box = os.environ.get(STOPPED_ENV)
-    if not status or not box or not os.path.isdir(box):
+    if not box or not os.path.isdir(box):
         return status
+    if not status:  # finished: a signal reaching the launcher after this is no stop of the run
+        Path(box, f"finished-{group.local_rank()}").write_text("0")
+        return 0
     Path(box, f"stopped-{group.local_rank()}").write_text(str(status))
     return 0
 

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import io
 import json
+import logging
 import os
 import sys
 import time
@@ -175,11 +176,16 @@ def run_elastic(cfg, entrypoint: Callable | str, *args: Any) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    # the agent's W/E log lines on a rank's failure: the launcher reports it itself, once (this process runs
+    # none of the program: only the agent logs here)
+    logging.disable(logging.ERROR)
     try:
         with _signals_end_the_wait():
             return elastic_launch(cfg, entrypoint)(*args)
     except ChildFailedError as failed:
         raise rank_failure(failed) from None
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 @contextlib.contextmanager

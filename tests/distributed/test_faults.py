@@ -188,3 +188,26 @@ def test_a_lock_is_not_free_while_ranks_of_a_dead_launcher_live(tmp_path):
     with holding(run):  # the rank is gone: free
         pass
     assert not (tmp_path / ".run.ranks.lock").exists()
+
+
+def test_a_rank_failure_is_reported_without_the_agents_log_lines():
+    import re
+
+    done = flowvm("run", Path(__file__).with_name("progs.py"), "--nproc", "2", "--set", "fault='raise'",
+                  "--set", "at=5")
+    assert done.returncode == 1 and "flowvm: rank 1 failed" in done.stderr, done.stderr[-3000:]
+    assert not [line for line in done.stderr.splitlines() if re.match(r"[WE]\d{4} ", line)], done.stderr[-3000:]
+
+
+def test_a_signal_after_every_rank_finished_is_no_stop():
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "flowvm", "run", str(PROG), "--nproc", "2", *BASE,
+                             "--progress", "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # rank 0's report: the run has finished
+        if line.startswith("weights "):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    no_rank_left()
