@@ -141,15 +141,28 @@ def culprit(failures: dict) -> tuple[int, str]:
 
     kinds = {r: _extra(f).get(KIND) for r, f in failures.items()}
     raised = [r for r, kind in kinds.items() if kind == "raised"]
-    if raised:
-        return first(raised), "raised"
-    killed = [r for r, f in failures.items() if f.exitcode < 0 and not _stopped_by_agent(f)]
+    return (first(raised), "raised") if raised else _culprit_of_signals(failures, kinds, first)
+
+
+def _culprit_of_signals(failures: dict, kinds: dict, first) -> tuple[int, str]:
+    escalated = _escalated(failures, kinds)
+    killed = [r for r, f in failures.items() if f.exitcode < 0 and not _stopped_by_agent(f) and r not in escalated]
     if killed:
         return first(killed), "killed"
-    hung = [r for r, f in failures.items() if _stopped_by_agent(f)]
+    hung = [r for r, f in failures.items() if _stopped_by_agent(f) or r in escalated]
     if hung and any(kind == "group" for kind in kinds.values()):
         return first(hung), "hung"
     return first(failures), "group"
+
+
+def _escalated(failures: dict, kinds: dict) -> list[int]:
+    """The ranks the agent had to SIGKILL while the others' collectives timed out waiting for them: hung
+    (stopped with SIGSTOP, say: they never ended on the agent's SIGTERM); a rank killed from outside breaks the
+    others' connections instead."""
+    import signal
+
+    timed_out = any(kind == "group" and "timed out" in _message(failures[r]).lower() for r, kind in kinds.items())
+    return [r for r, f in failures.items() if timed_out and f.exitcode == -signal.SIGKILL]
 
 
 def rank_failure(failed) -> RankError:
@@ -162,8 +175,9 @@ def rank_failure(failed) -> RankError:
     if kind == "hung":
         waited = min((r for r in failures if _extra(failures[r]).get(KIND) == "group"),
                      key=lambda r: (failures[r].timestamp, r))
+        how = " with SIGKILL (it did not end on SIGTERM: stopped with SIGSTOP?)" if failure.exitcode == -9 else ""
         message = (f"hung: it never joined a collective, and rank {waited}'s failed waiting for it "
-                   f"({_message(failures[waited]).splitlines()[0]}); the agent stopped it")
+                   f"({_message(failures[waited]).splitlines()[0]}); the agent stopped it{how}")
     err = RankError(rank, failure.exitcode, message, traceback)
     err.exitcodes = {r: f.exitcode for r, f in failures.items()}
     return err

@@ -211,3 +211,24 @@ def test_a_signal_after_every_rank_finished_is_no_stop():
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
     no_rank_left()
+
+
+def test_a_rank_stopped_with_sigstop_is_named_hung_not_killed():
+    import signal
+    from types import SimpleNamespace
+
+    from flowvm.distributed.launching import KIND, culprit, rank_failure
+
+    def failure(code, message="", kind=None, at=0.0):
+        data = {"message": {"extraInfo": {KIND: kind}}} if kind else {}
+        return SimpleNamespace(exitcode=code, message=message, error_file_data=data, timestamp=at)
+
+    # rank 0's collective timed out waiting; the agent's SIGTERM did nothing to the stopped rank 1: SIGKILL
+    stopped = {0: failure(1, "RuntimeError: Timed out waiting 3000ms for recv", "group", 1.0),
+               1: failure(-signal.SIGKILL, at=2.0)}
+    assert culprit(stopped) == (1, "hung")
+    assert "hung: it never joined a collective" in str(rank_failure(SimpleNamespace(failures=stopped)))
+    # killed from outside: the others' connections break, they do not time out
+    killed = {0: failure(1, "RuntimeError: Connection closed by peer", "group", 2.0),
+              1: failure(-signal.SIGKILL, at=1.0)}
+    assert culprit(killed) == (1, "killed")
