@@ -569,3 +569,21 @@ def test_a_missing_tensorboard_is_said_before_the_run_starts(tmp_path):
                           str(tmp_path / "tb"), "--progress", "lines"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--tensorboard needs the tensorboard package" in out.stderr, out.stderr
     assert "running from step" not in out.stderr
+
+
+def test_a_model_that_cannot_be_written_is_one_line_after_a_finished_saved_run(tmp_path):
+    (tmp_path / "dictmodel.py").write_text(textwrap.dedent('''\
+        from flowvm import CALL, REPEAT, Registers
+
+        def build():
+            return REPEAT(3, CALL(abs, -1, store_to=Registers(n=0)("n")))
+
+        def model(registers):
+            return {"weights": object()}
+    '''))
+    ckpt = tmp_path / "d.ckpt"
+    out = flowvm_cmd("run", tmp_path / "dictmodel.py", "--checkpoint", ckpt, "--output", tmp_path / "m.npz",
+                     "--progress", "none", check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "--output" in out.stderr and "model(registers) gave a dict, which cannot be written" in out.stderr
+    assert flowvm.read_header(ckpt)["done"]
