@@ -20,7 +20,7 @@ from .frames import ELEMENT, SEQ_POS, WEAVE_FINISHED, credit_weaves, settle, tak
 
 def _weaves_around(stack: list) -> list | None:
     """The WEAVE frames on stack, outermost first (None: none)."""
-    return [fr for fr in stack if type(fr[ELEMENT]) is WEAVE] or None
+    return [fr for fr in stack if fr[ELEMENT].frame_kind is WEAVE] or None
 
 
 def _turn_per_step(around: list) -> bool:

@@ -263,7 +263,7 @@ def abandon(drv, fr) -> None:
     for seg in fr[WEAVE_SEGMENTS]:
         for sub in seg or ():
             el = sub[0]
-            if type(el) is WEAVE and len(sub) > 1:
+            if el.frame_kind is WEAVE and len(sub) > 1:
                 abandon(drv, sub)
             elif el.is_leaf and hasattr(el, "abandon"):
                 el.abandon(drv, sub)

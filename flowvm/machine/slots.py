@@ -63,7 +63,7 @@ def walk(chain: list, key: Callable[[Any], list] | None = None, path: tuple[int,
             prev = chain[k - 1] if key is None else key(chain[k - 1])
             path = path + (child_index(prev),)
         yield path, chain, k, paused
-        if type(fr[0]) is WEAVE and len(fr) > 1:
+        if fr[0].frame_kind is WEAVE and len(fr) > 1:
             for j, seg in enumerate(fr[WEAVE_SEGMENTS]):
                 if seg:
                     yield from walk(seg, key, path + (j,), True)
@@ -109,7 +109,7 @@ def marks(stack: list) -> dict:
 
 def child_index(fr: list) -> int:
     """Index (in ``children``) of the child a started container frame is running."""
-    kind = type(fr[0])
+    kind = fr[0].frame_kind
     if kind is SEQ or kind is SWITCH or kind is WEAVE:
         return fr[1]
     if kind is WHILE:
@@ -137,7 +137,7 @@ def credit_weaves(drv, weaves: list | None = None) -> None:
     """After a leaf: every WEAVE around it counts one step of its active child's turn.  weaves: the WEAVE
     frames on the stack, when the caller knows them (else the stack is searched)."""
     for fr in drv._stack if weaves is None else weaves:
-        if type(fr[0]) is WEAVE:
+        if fr[0].frame_kind is WEAVE:
             credits = fr[WEAVE_CREDITS]
             a = fr[WEAVE_ACTIVE]
             credits[a] -= 1
@@ -153,7 +153,7 @@ def rotate_weaves(drv, weaves: list | None = None) -> bool:
     drv._rotate = False
     stack = drv._stack
     if weaves is None:
-        weaves = [fr for fr in stack if type(fr[0]) is WEAVE and len(fr) > 1]
+        weaves = [fr for fr in stack if fr[0].frame_kind is WEAVE and len(fr) > 1]
     changed = False
     for fr in reversed(weaves):
         if fr[WEAVE_ROTATE]:
@@ -275,7 +275,7 @@ def set_credits(fr: list, credits: list) -> None:
 def copy_frame(fr: list, segment: Callable[[list], Any]) -> list:
     """A copy of fr whose WEAVE segments (if fr is a started WEAVE) are mapped through segment."""
     data = list(fr)
-    if type(fr[ELEMENT]) is WEAVE and len(fr) > 1:
+    if fr[ELEMENT].frame_kind is WEAVE and len(fr) > 1:
         data[WEAVE_SEGMENTS] = [None if seg is None else segment(seg) for seg in fr[WEAVE_SEGMENTS]]
     return data
 

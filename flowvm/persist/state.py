@@ -178,11 +178,11 @@ def _frames(enc: Encoder, chain: list, base: tuple) -> list:
         if k:
             path = path + (child_index(chain[k - 1]),)
         el, where = fr[0], f"frames/{format_path(path) or '<root>'}"
-        names = SLOT_NAMES.get(type(el), () if el.is_leaf else None)
+        names = SLOT_NAMES.get(el.frame_kind, () if el.is_leaf else None)
         slots: Any = {} if names is not None else []
         for j, x in enumerate(fr[1:]):
             name = str(j + 1) if names is None else names[j] if j < len(names) else FAILED
-            if type(el) is WEAVE and j + 1 == WEAVE_SEGMENTS:
+            if el.frame_kind is WEAVE and j + 1 == WEAVE_SEGMENTS:
                 x = [None if seg is None else _frames(enc, seg, path + (i,)) for i, seg in enumerate(x)]
             else:
                 x = enc.value(x, f"{where}/{name}")
@@ -300,7 +300,7 @@ def _unframes(dec: Decoder, nodes: list, program: Element, base: tuple, path: An
             raise ValueError(f"frame at {node['path']!r} is a {node['kind']!r:.20}, the element a {el.kind}")
         fr = [el]
         for j, slot in enumerate(_slot_list(node["slots"], el, node["path"]), 1):
-            if type(el) is WEAVE and j == WEAVE_SEGMENTS:
+            if el.frame_kind is WEAVE and j == WEAVE_SEGMENTS:
                 if type(slot) is not list:
                     raise ValueError(f"frame at {node['path']!r}: its segments are not a list")
                 fr.append([None if seg is None else _unframes(dec, seg, program, where + (i,), path, steps)
@@ -323,7 +323,7 @@ def _slot_list(slots: Any, el: Element, where: str) -> list:
         raise ValueError(f"frame at {where!r}: its slots are {type(slots).__name__}, expected an object")
     if not slots:
         return []
-    names = SLOT_NAMES.get(type(el), ())
+    names = SLOT_NAMES.get(el.frame_kind, ())
     unknown = sorted(set(slots) - set(names) - {FAILED})
     if unknown:
         raise ValueError(f"frame at {where!r} of a {el.kind}: unknown slot {unknown[0]!r:.40} (a {el.kind} has "

@@ -30,7 +30,7 @@ def check_frame(fr: list, steps: int) -> None:
     """Raise ValueError naming the first slot of fr (a frame as the driver holds it, its element first) that
     is not of its layout's type or range; steps: the run's step count."""
     el = fr[0]
-    kind = type(el)
+    kind = el.frame_kind
     what = el.kind
     if len(fr) == 1:  # a leaf ready to run, a container not started yet
         return

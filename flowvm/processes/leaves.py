@@ -344,3 +344,7 @@ def _refs(el: Element) -> list[Register]:
     for r in all_registers(el):
         seen.setdefault(r.name, r)
     return list(seen.values())
+
+
+POPEN.frame_kind = POPEN  # a subclass is a POPEN (Element.frame_kind)
+SPAWN.frame_kind = SPAWN

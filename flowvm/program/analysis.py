@@ -180,7 +180,7 @@ def has_weave(program) -> bool:
     todo = [program]
     while todo:
         el = todo.pop()
-        if type(el) is WEAVE:
+        if el.frame_kind is WEAVE:
             return True
         if not el.is_leaf:
             todo.extend(el.children)

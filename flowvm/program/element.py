@@ -52,6 +52,9 @@ class Element:
     is_leaf: bool = False
     polls: bool = False  # a leaf whose steps may return PENDING (see driver.py)
     simple_leaf: bool = False
+    # The built-in kind whose frame layout and moves this class has (a subclass of SEQ is a SEQ everywhere the
+    # machine, the state files and the tools ask; None: a container kind of its own, registered in kinds.py)
+    frame_kind: "type | None" = None
     """A leaf run by ``leaf_for(registers)`` alone: one step per call, never PENDING, nothing kept in its
     frame or the driver; the driver runs such leaves on its fast paths (see driver.py)."""
     __slots__ = ("__dict__", "__weakref__")

@@ -303,3 +303,8 @@ class BUFFER(Element):
 
 
 ELEMENT_KINDS = (CALL, PRINT, SEQ, REPEAT, LOOP, WHILE, SWITCH, WEAVE, BUFFER)
+
+
+for _kind in (CALL, PRINT, SEQ, REPEAT, LOOP, WHILE, SWITCH, WEAVE, BUFFER):
+    _kind.frame_kind = _kind  # inherited: a subclass is its kind (Element.frame_kind)
+del _kind
