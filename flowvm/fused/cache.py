@@ -13,6 +13,12 @@ torch's and python's versions, the machine's architecture and the CPU capability
 - How big: ``FLOWVM_CACHE_MAX_BYTES`` (default 2 GB); the least recently used entries go first.
 - Writes are atomic (a temporary directory renamed into place): concurrent writers of one key leave one
   entry, and a reader never sees half of one.  An entry that fails to load or to verify is evicted.
+- Safe to load from (flowvm/fused/cachetrust.py): a directory another user owns or may write is refused
+  (one warning, then no cache in this process); each entry holds a manifest (``MANIFEST``: its key and the
+  SHA-256 of each file, written last), checked before anything of the entry is loaded; an entry that fails
+  the check, or whose load killed a process (a mark left by a dead process), is evicted and compiled anew.
+- A read-only cache is read (nothing is written to it); a write that fails (a full disk) leaves neither an
+  entry nor a hint naming one.
 """
 
 from __future__ import annotations
@@ -25,18 +31,60 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
+import warnings
 
-FORMAT = 2                      # the entries' layout; a change makes every older entry a miss
+from . import cachetrust
+from .cachetrust import MANIFEST
+
+FORMAT = 3                      # the entries' layout; a change makes every older entry a miss
 MAX_BYTES = 2 * 1024 ** 3
 TEMP_PREFIX = ".tmp-"
 DECISION = "decision.json"      # what a run measured of the entry's package (see note)
 HINTS = ".hints"                # empty files named by the hints of the steps stored (see may_hold)
 _OFF = {"", "off", "0", "none", "false", "no"}
+_refused: dict[str, str | None] = {}   # a cache directory's verdict in this process (cachetrust.refusal)
+_refused_lock = threading.Lock()
+
+
+class Damaged(OSError):
+    """A cached entry does not match its manifest: it is not loaded."""
 
 
 def root() -> str | None:
-    """The cache's directory, or None when it is turned off."""
+    """The cache's directory, or None when it is turned off or refused (another user owns it or may write
+    it: cachetrust.refusal; warned once, then the cache is off for the process)."""
+    where = location()
+    if where is None or not _trusted(where):
+        return None
+    return where
+
+
+def _trusted(where: str, again: bool = False) -> bool:
+    """Whether the cache directory where may be used; a refusal is warned of once and kept for the process.
+    A directory that does not exist yet is checked again once it does."""
+    with _refused_lock:
+        if where in _refused and not again:
+            return _refused[where] is None
+    why = cachetrust.refusal(where)
+    with _refused_lock:
+        if why is None and not os.path.isdir(where):
+            return True  # checked again when it exists
+        first = where not in _refused or _refused[where] is None
+        _refused[where] = why
+    if why is not None and first:
+        from ..base.errors import FusionWarning
+
+        warnings.warn(FusionWarning(
+            f"flowvm: the cache of compiled steps at {where} is not used in this process: {why}; a cache "
+            "another user may write could hold any code (docs/optimizer.md, the persistent cache). Give "
+            "FLOWVM_CACHE_DIR a directory of your own, or FLOWVM_CACHE_DIR=off"), stacklevel=3)
+    return why is None
+
+
+def location() -> str | None:
+    """The cache's directory as configured, or None when it is turned off (not checked: see ``root``)."""
     given = os.environ.get("FLOWVM_CACHE_DIR")
     if given is not None:
         return None if given.strip().lower() in _OFF else os.path.abspath(os.path.expanduser(given))
@@ -75,18 +123,23 @@ def key(payload: bytes) -> str:
 
 def may_hold(hint: str) -> bool:
     """Whether an entry of a step with this hint (``jobs.hint``: a cheap digest of the step's code, layouts and
-    settings) may be in the cache: when not, a lookup need not pickle the step to compute its key."""
+    settings) may be in the cache: when not, a lookup need not pickle the step to compute its key.  A hint
+    is only a hint: its entry may since have gone (``lookup`` then misses)."""
     where = root()
     return where is not None and os.path.exists(os.path.join(where, HINTS, hint))
 
 
-def add_hint(hint: str) -> None:
-    """Note that an entry of a step with this hint was stored (the cache is an optimization: errors pass)."""
+def add_hint(hint: str, k: str | None = None) -> None:
+    """Note that an entry of a step with this hint was stored (the cache is an optimization: errors pass).
+    With its key k, only when that entry is there, whole (its manifest is written last): a write that
+    failed leaves no hint naming nothing."""
     where = root()
     if where is None:
         return
+    if k is not None and not os.path.isfile(os.path.join(where, k, MANIFEST)):
+        return
     try:
-        os.makedirs(os.path.join(where, HINTS), exist_ok=True)
+        cachetrust.makedirs(os.path.join(where, HINTS))
         with open(os.path.join(where, HINTS, hint), "a"):
             pass
     except OSError:
@@ -94,16 +147,46 @@ def add_hint(hint: str) -> None:
 
 
 def lookup(k: str) -> str | None:
-    """The entry's directory (marked as used now), or None."""
+    """The entry's directory (marked as used now, when the cache is writable), or None.  The entry is
+    checked first (``verify``): one that fails is evicted (when the cache is writable) and missed."""
     where = root()
     if where is None:
         return None
     path = os.path.join(where, k)
     try:
+        verify(k, path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        evict(k)
+        return None
+    try:
         os.utime(path)
     except OSError:
-        return None
+        pass  # a read-only cache: read all the same
     return path
+
+
+def verify(k: str, path: str) -> None:
+    """Raise unless the entry of key k at path may be loaded: its directory this user's (or root's) and
+    writable by no one else, every file as its manifest (made for key k) says, none else, and no mark of a
+    process that died loading it (cachetrust).  FileNotFoundError: there is no entry; Damaged: it fails."""
+    why = cachetrust.entry_refusal(os.lstat(path))
+    if why is None:
+        names = os.listdir(path)
+        why = cachetrust.check(path, k, names, {DECISION})
+        if why is None:
+            mark = cachetrust.dead_mark(path, names)
+            if mark is not None:
+                why = f"a process died while it loaded the entry ({mark})"
+    if why is not None:
+        raise Damaged(f"the cached entry {k} is not loaded: {why}")
+
+
+def loading(path: str):
+    """A context marking the entry at path as being loaded by this process (its libraries opened: a crash
+    there leaves the mark, and the next process evicts the entry instead of crashing again)."""
+    return cachetrust.loading(path)
 
 
 def note(k: str, decision: dict) -> None:
@@ -111,22 +194,37 @@ def note(k: str, decision: dict) -> None:
     the two times per execution), so that the next run takes the faster form at once (errors pass: the cache
     is an optimization)."""
     where = root()
-    if where is None or not os.path.isdir(os.path.join(where, k)):
+    if where is None:
+        return
+    path = os.path.join(where, k)
+    manifest = cachetrust.read_manifest(path, k)
+    if manifest is None:
         return
     try:
-        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=os.path.join(where, k))
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path)
         with os.fdopen(fd, "w") as f:
             json.dump(decision, f)
-        os.replace(tmp, os.path.join(where, k, DECISION))
+        os.replace(tmp, os.path.join(path, DECISION))
+        # the manifest names the decision's digest: a decision it does not name is none (``decision``)
+        cachetrust.write_manifest(path, k, manifest["files"], cachetrust.digest(os.path.join(path, DECISION)))
     except OSError:
         pass
 
 
 def decision(path: str) -> dict | None:
-    """What a run measured of the package in this entry's directory (see ``note``), or None."""
+    """What a run measured of the package in this entry's directory (see ``note``), or None: None too when
+    its manifest does not name the decision's digest (a decision kept there lets a later run skip the check
+    of its first call against eager)."""
+    manifest = cachetrust.read_manifest(path, os.path.basename(os.path.normpath(path)))
+    if manifest is None or "decision" not in manifest:
+        return None
     try:
-        with open(os.path.join(path, DECISION)) as f:
-            got = json.load(f)
+        fd = os.open(os.path.join(path, DECISION), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with open(fd, "rb") as f:
+            data = f.read(1 << 16)
+        if hashlib.sha256(data).hexdigest() != manifest["decision"]:
+            return None
+        got = json.loads(data)
     except (OSError, ValueError):
         return None
     ok = isinstance(got, dict) and isinstance(got.get("compiled"), bool) and all(
@@ -136,17 +234,22 @@ def decision(path: str) -> dict | None:
 
 def store(k: str, workdir: str, names: list[str]) -> str | None:
     """Put these files of workdir in the cache as entry k (atomically; an entry already there is kept);
-    the entry's directory, or None (cache off, or the disk refused: the cache is an optimization)."""
+    the entry's directory, or None (cache off, or the disk refused: the cache is an optimization).  The
+    files are copied, then the manifest of their digests written, then the whole renamed into place."""
     where = root()
     if where is None:
         return None
     final = os.path.join(where, k)
     try:
-        os.makedirs(where, exist_ok=True)
+        if not os.path.isdir(where):
+            cachetrust.makedirs(where)
+            if not _trusted(where, again=True):  # someone else's directory made meanwhile: not ours
+                return None
         tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=where)
         try:
-            for name in names:
-                shutil.copyfile(os.path.join(workdir, name), os.path.join(tmp, name))
+            files = {name: cachetrust.copy_with_digest(os.path.join(workdir, name), os.path.join(tmp, name))
+                     for name in names}
+            cachetrust.write_manifest(tmp, k, files)
             os.rename(tmp, final)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -62,7 +62,7 @@ class Packaged:
                     self._verify = True  # the first call is checked against eager (_after_first_direct_call)
                     self._cache_key = job.key
                     if job.key is not None:
-                        cache.add_hint(hint)
+                        cache.add_hint(hint, job.key)  # only when the entry was stored whole
                     self.compile_seconds.append(time.perf_counter() - start)
                     compiler_seconds.append(self.compile_seconds[-1])
             finally:
@@ -86,8 +86,9 @@ class Packaged:
 
     def _cached(self, job: jobs.Job) -> bool:
         """Take the step's package from the persistent cache (flowvm/fused/cache.py), if it is there and loads;
-        whether it did.  It is checked as a package just compiled is: before each call, and against eager on
-        its first."""
+        whether it did.  The entry is checked against its manifest before anything of it is loaded (one that
+        fails is evicted: a miss, compiled anew).  It is checked as a package just compiled is: before each
+        call, and against eager on its first unless its kept decision says an earlier run did."""
         path = cache.lookup(job.key)
         if path is None:
             return False
@@ -97,7 +98,7 @@ class Packaged:
             self._deferred = (job, path)
         else:
             try:
-                self._load(job, path)
+                self._load(job, path, checked=True)
             except Exception:  # damaged, or from a torch that writes what this one cannot read
                 cache.evict(job.key)
                 return False
@@ -108,8 +109,13 @@ class Packaged:
         self._verify = known is None
         return True
 
-    def _load(self, job: jobs.Job, path: str) -> None:
-        run = job.load(path)
+    def _load(self, job: jobs.Job, path: str, checked: bool = False) -> None:
+        """Load the cached entry at path: checked against its manifest first (again, unless ``checked`` just
+        now: a load put off may come much later), and marked as being loaded while its libraries open."""
+        if not checked:
+            cache.verify(job.key, path)
+        with cache.loading(path):
+            run = job.load(path)
         self._direct = (job.layouts, run, run, job.reads)
 
     def _load_deferred(self) -> bool:

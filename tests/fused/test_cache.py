@@ -67,6 +67,15 @@ def test_entries_are_stored_whole_and_the_least_recently_used_go_first(cache_dir
     assert cache.lookup("a" * 40) is None and os.listdir(cache_dir) == ["c" * 40]
 
 
+def _put(tmp_path, key: str, files: dict[str, bytes]) -> None:
+    """An entry of the cache as a compile stores it: its files, and the manifest of their digests."""
+    work = tmp_path / f"work-{key}"
+    work.mkdir()
+    for name, data in files.items():
+        (work / name).write_bytes(data)
+    assert cache.store(key, str(work), sorted(files)) is not None
+
+
 def _job(calls, x, **settings):
     fast = fuse_torch(REPEAT(2, SEQ(calls)), **settings)
     rt = fast.body.runtime()
@@ -139,25 +148,24 @@ def _chain(n=30):
 
 
 @pytest.mark.parametrize("damaged", [outofprocess.PACKAGE, outofprocess.LIBRARY])
-def test_an_entry_that_does_not_load_is_ignored_and_evicted(cache_dir, monkeypatch, damaged):
+def test_an_entry_that_does_not_load_is_ignored_and_evicted(cache_dir, tmp_path, monkeypatch, damaged):
     prog, reg = _chain()
     fast = fuse_torch(prog)  # the defaults: nothing would compile in 30 executions
     rt = fast.body.runtime()
     key = jobs.describe(rt.el, rt.generated, rt.settings.options, (reg["x"],)).key
-    (cache_dir / key).mkdir(parents=True)
+    _put(tmp_path, key, {damaged: b"not a package"})  # its digest right: it fails to load
     cache.add_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)))  # as a compile that stored it does
-    (cache_dir / key / damaged).write_bytes(b"not a package")
     fast.run()
     assert not rt.cached and rt.hits == 0 and not (cache_dir / key).exists()
     assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
 
 
-def test_an_entry_whose_first_result_differs_from_eager_is_evicted(cache_dir, monkeypatch):
+def test_an_entry_whose_first_result_differs_from_eager_is_evicted(cache_dir, tmp_path, monkeypatch):
     prog, reg = _chain()
     fast = fuse_torch(prog)
     rt = fast.body.runtime()
     key = jobs.describe(rt.el, rt.generated, rt.settings.options, (reg["x"],)).key
-    (cache_dir / key).mkdir(parents=True)
+    _put(tmp_path, key, {outofprocess.PACKAGE: b"a package"})
     cache.add_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)))  # as a compile that stored it does
     head = rt.generated.head
     monkeypatch.setattr(outofprocess, "load_plain", lambda path: lambda inputs: [o + 1 for o in head(*inputs)])
@@ -212,7 +220,7 @@ def test_a_second_run_of_a_program_starts_with_its_step_compiled_from_the_cache(
     assert first["hits"] > 0 and first["refused"] is None and not first["cached"]
     entries = [n for n in os.listdir(cache_dir) if n != cache.HINTS]
     assert len(entries) == 1  # the package, stored: its library alone (a CPU step holds no weights)
-    assert sorted(os.listdir(cache_dir / entries[0])) == sorted([outofprocess.LIBRARY, cache.DECISION])
+    assert sorted(os.listdir(cache_dir / entries[0])) == sorted([outofprocess.LIBRARY, cache.DECISION, cache.MANIFEST])
     assert len(os.listdir(cache_dir / cache.HINTS)) == 1  # and its hint
     assert second["cached"] and second["refused"] is None and second["close"]
     assert second["early"] >= 1 and second["hits"] > 100  # compiled from its first executions (verified, timed)
@@ -242,9 +250,8 @@ def _stored(cache_dir, monkeypatch, prog, reg, decision=None):
     fast = fuse_torch(prog)
     rt = fast.body.runtime()
     key = jobs.describe(rt.el, rt.generated, rt.settings.options, (reg["x"],)).key
-    (cache_dir / key).mkdir(parents=True)
+    _put(cache_dir.parent, key, {outofprocess.PACKAGE: b"a package"})
     cache.add_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)))
-    (cache_dir / key / outofprocess.PACKAGE).write_bytes(b"a package")
     head = rt.generated.head
     monkeypatch.setattr(outofprocess, "load_plain", lambda path: lambda inputs: list(head(*inputs)))
     monkeypatch.setattr(threadcompile, "compiler_ready", lambda names: False)  # the thread's compile: not here
