@@ -197,7 +197,9 @@ class DriverFrames(NoFrames):
                 raise EditError(f"cannot edit inside {_describe(old, path)}: it is running "
                                 f"(driver at step {self.drv.steps})", format_path(path))
             if len(f.data) > 1:
-                if type(el) is not type(old) or (el.frame_kind is WEAVE and len(el.elements) != len(f.data[WEAVE_SEGMENTS])):
+                kind = old.frame_kind  # a frame's layout: its kind's (a subclass of a kind is that kind)
+                if (type(el) is not type(old) if kind is None else el.frame_kind is not kind) \
+                        or (kind is WEAVE and len(el.elements) != len(f.data[WEAVE_SEGMENTS])):
                     raise EditError(f"cannot patch: {_describe(old, path)} is running and would become "
                                     f"{_describe(el, path)}", format_path(path))
             F.set_element(f.data, el)

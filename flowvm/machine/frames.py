@@ -297,6 +297,10 @@ def register_container(cls: type, start: Callable, next: Callable) -> type:
         raise TypeError(f"register_container: start and next of {cls.__name__} must be functions")
     START.register(cls, start)
     NEXT.register(cls, next)
+    if "frame_kind" not in cls.__dict__:
+        # a subclass of a built-in kind with moves of its own has frames of its own layout: it is no longer
+        # that kind to the machine and the state files (a class that keeps the layout sets frame_kind itself)
+        cls.frame_kind = None
     return cls
 
 

@@ -73,8 +73,8 @@ def remaining_runs() -> int | None:
         return None
     left, per = 1, 1  # runs left within the current iteration of a level; runs per iteration of it
     for fr in reversed(drivers[0].frames[:-1]):  # the leaf's ancestors, innermost first
-        kind = type(fr[ELEMENT])
-        if kind in (LOOP, WHILE, WEAVE):
+        kind = fr[ELEMENT].frame_kind  # (a subclass of a kind is that kind)
+        if kind is LOOP or kind is WHILE or kind is WEAVE:
             return None
         if kind is REPEAT and len(fr) > 1:
             i, n = fr[REPEAT_I], fr[REPEAT_N]

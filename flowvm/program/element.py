@@ -52,11 +52,13 @@ class Element:
     is_leaf: bool = False
     polls: bool = False  # a leaf whose steps may return PENDING (see driver.py)
     simple_leaf: bool = False
-    # The built-in kind whose frame layout and moves this class has (a subclass of SEQ is a SEQ everywhere the
-    # machine, the state files and the tools ask; None: a container kind of its own, registered in kinds.py)
-    frame_kind: "type | None" = None
     """A leaf run by ``leaf_for(registers)`` alone: one step per call, never PENDING, nothing kept in its
     frame or the driver; the driver runs such leaves on its fast paths (see driver.py)."""
+    frame_kind: "type | None" = None
+    """The built-in kind whose frame layout and moves this class has, inherited: each built-in kind sets it to
+    itself, so a subclass of SEQ is a SEQ wherever the machine, the state files and the tools ask
+    (``el.frame_kind is SEQ``).  None: a kind of its own (a container written outside flowvm, registered with
+    ``register_container``, or a subclass of a built-in kind that registers moves of its own)."""
     __slots__ = ("__dict__", "__weakref__")
 
     # -- immutability: elements are shared freely between programs and copies
