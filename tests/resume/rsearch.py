@@ -70,6 +70,11 @@ class Failure:
 
 
 class Figures(Counter):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for key in ("programs", "cut_points", "resumes", "refusals", "failures"):
+            self.setdefault(key, 0)
+
     def as_json(self) -> dict:
         return dict(sorted(self.items()))
 
@@ -82,6 +87,7 @@ class Options:
     cli: bool = True
     envs: tuple = ("torch-before", "torch-lazy", "threads", "same-process")
     only_cut: int | None = None  # reproductions: this cut only
+    nproc: bool = False          # also a coordinated checkpoint of a 2-rank run (programs without torch objects)
 
 
 def build_blob(spec) -> bytes:
@@ -209,7 +215,52 @@ def check_program(spec, rng: random.Random, opts: Options, figures: Figures, wor
             failures.append(Failure("differs", spec, int(k), how, r.get("env"), problems))
     if "cli" in opts.paths and opts.cli:
         failures += check_cli(spec, expected, pending, rng, workdir, figures, opts)
+    if opts.nproc and profile in ("plain", "numpy") and total > 1:
+        failures += check_nproc(spec, total, rng, workdir, figures)
     return failures
+
+
+def _flowvm(args, cwd, hashseed, timeout=300):
+    os.makedirs(cwd, exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "flowvm", *args, "--progress", "none"], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONHASHSEED=str(hashseed)))
+
+
+def _coordinated_final(location):
+    """The finished 2-rank run: rank 0's shared run the manifest names."""
+    with open(os.path.join(location, "manifest.json")) as f:
+        manifest = json.load(f)
+    with T._ProcessState():
+        return T.fingerprint(flowvm.load(os.path.join(location, manifest["folder"], "shared.ckpt"))), manifest
+
+
+def check_nproc(spec, total, rng, workdir, figures) -> list[Failure]:
+    """A coordinated checkpoint at the same world size: `flowvm run prog.py --nproc 2` straight, and cut with
+    --max-steps k then `flowvm resume` in another directory; rank 0's finished runs must be the same."""
+    base = tempfile.mkdtemp(prefix="nproc-", dir=workdir)
+    prog = os.path.join(base, "resume_prog.py")
+    with open(prog, "w") as f:
+        f.write(rgen.program_file(spec))
+    k = rng.randint(1, total - 1)
+    env = {"name": "nproc2", "torch": "cli", "hashseed": rng.randint(1, 2**31), "fresh": True}
+    steps = [("straight", ["run", prog, "--nproc", "2", "--checkpoint", os.path.join(base, "a")], "c0"),
+             ("cut", ["run", prog, "--nproc", "2", "--max-steps", str(k), "--checkpoint", os.path.join(base, "b")], "c1"),
+             ("resume", ["resume", os.path.join(base, "b")], "c2")]
+    for i, (what, args, cwd) in enumerate(steps):
+        done = _flowvm(args, os.path.join(base, cwd), env["hashseed"] + i)
+        figures["env_nproc2"] += 1
+        if done.returncode != 0:
+            return [Failure("error", spec, k, "nproc2", env, [f"`flowvm {' '.join(args)}` exited {done.returncode}",
+                                                               *done.stderr.strip().splitlines()[-6:]])]
+    want, _ = _coordinated_final(os.path.join(base, "a"))
+    got, manifest = _coordinated_final(os.path.join(base, "b"))
+    figures["copies_nproc2"] += 1
+    figures["resumes"] += 1
+    problems = T.fingerprint_diff(want, got)
+    if problems or not manifest["done"]:
+        return [Failure("differs", spec, k, "nproc2", env, problems or ["the resumed run did not finish"])]
+    return []
 
 
 def check_cli(spec, expected, pending, rng, workdir, figures, opts) -> list[Failure]:
