@@ -51,6 +51,8 @@ def _node_tells(node: Any) -> bool | None:
             value = getattr(node, name)
         except RuntimeError:  # freed by a backward, or changed in place since
             return False
+        except AttributeError:  # a name a node's class lists but does not give (a compiled graph's node)
+            continue
         if isinstance(value, (list, tuple)) and any(v is not None for v in value) or \
                 value is not None and not isinstance(value, (list, tuple)):
             told = True
@@ -63,5 +65,8 @@ _NAMES: dict[type, tuple[str, ...]] = {}
 def _saved_names(kind: type) -> tuple[str, ...]:
     names = _NAMES.get(kind)
     if names is None:
-        names = _NAMES[kind] = tuple(n[len("_raw"):] for n in dir(kind) if n.startswith("_raw_saved_"))
+        names = tuple(n[len("_raw"):] for n in dir(kind) if n.startswith("_raw_saved_"))
+        if "saved_tensors" in dir(kind):  # a custom Function's node (a compiled graph's): ctx.saved_tensors
+            names = tuple(n for n in names if n != "_saved_tensors") + ("saved_tensors",)
+        _NAMES[kind] = names
     return names
