@@ -284,3 +284,24 @@ def test_a_popen_subclass_runs_as_popen():
     drv = prog.start()
     drv.run()
     assert drv.done and reg["rc"] == 4
+
+
+def _runs_left(log):
+    from flowvm.machine.running import remaining_runs
+
+    log.append(remaining_runs())
+
+
+def test_the_runs_left_that_a_leaf_sees_count_subclassed_loops():
+    def runs_left(k):
+        reg = Registers(log=[], w=0)
+        leaf = CALL(_runs_left, reg("log"))
+        prog = k["SEQ"]([k["REPEAT"](2, k["BUFFER"](3, leaf)), k["WEAVE"](-1, [k["REPEAT"](2, leaf)]),
+                         k["WHILE"](CALL(toy.below, reg("w"), 1, store_to=reg("w")), leaf)])
+        drv = prog.start()
+        drv.run(max_steps=100)
+        assert drv.done
+        return reg["log"]
+
+    want = runs_left(KINDS)
+    assert want == [6, 5, 4, 3, 2, 1, None, None, None] and runs_left(ALL) == want
