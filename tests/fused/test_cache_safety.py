@@ -374,3 +374,34 @@ def test_a_full_disk_leaves_no_hint_naming_an_entry_that_is_not_there(filled, mo
     entries = [n for n in os.listdir(full) if n != cache.HINTS and not n.startswith(cache.TEMP_PREFIX)]
     hints = os.listdir(full / cache.HINTS) if (full / cache.HINTS).exists() else []
     assert entries == [] and hints == [], (entries, hints)
+
+
+def test_a_put_off_load_checks_the_entry_again(tmp_path, monkeypatch):
+    """A package an earlier run measured slower than eager is loaded only when it is timed again, maybe much
+    later: its entry is checked again then, and one changed meanwhile is not loaded."""
+    from flowvm.fused import choosing, jobs, threadcompile
+
+    monkeypatch.setenv("FLOWVM_CACHE_DIR", str(tmp_path / "compiled"))
+    reg = Registers(x=torch.linspace(-2, 2, 64))
+    body = SEQ([CALL(getattr(torch, n), reg("x" if i == 0 else "h"), store_to=reg("h")) for i, n in enumerate(A)])
+    fast = fuse_torch(REPEAT(400, body))
+    rt = fast.body.runtime()
+    key = jobs.describe(rt.el, rt.generated, rt.settings.options, (reg["x"],)).key
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / outofprocess.PACKAGE).write_bytes(b"a package")
+    assert cache.store(key, str(work), [outofprocess.PACKAGE]) is not None
+    cache.add_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)), key)
+    cache.note(key, {"compiled": False, "compiled_s": 12e-6, "eager_s": 8e-6, "periods": 20})
+    loaded = []
+    monkeypatch.setattr(outofprocess, "load_plain", lambda path: loaded.append(path))
+    monkeypatch.setattr(threadcompile, "compiler_ready", lambda names: False)
+    monkeypatch.setattr(choosing, "RECHECK_FACTOR", 0.1)  # timed again at the 200th execution
+    monkeypatch.setattr(type(rt), "_start_compile", lambda self, args: None)
+    steps = fast.start()
+    steps.run(max_steps=100)
+    assert rt.cached and rt.state == "eager" and loaded == []
+    (tmp_path / "compiled" / key / outofprocess.PACKAGE).write_bytes(b"another package")
+    steps.run()
+    assert loaded == [] and not (tmp_path / "compiled" / key).exists() and not rt.cached
+    assert torch.allclose(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
