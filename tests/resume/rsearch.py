@@ -309,10 +309,11 @@ def check_cli(spec, expected, pending, rng, workdir, figures, opts) -> list[Fail
     return []
 
 
-def shrink(failure: Failure, opts: Options, budget: int, workdir: str) -> Failure:
-    """A smaller spec failing the same way (same category, copy path, environment), greedily."""
+def shrink(failure: Failure, opts: Options, budget: int, workdir: str, deadline: float | None = None) -> Failure:
+    """A smaller spec failing the same way (same category, copy path, environment), greedily: at most budget
+    candidates, and none started after deadline (a time.monotonic() value)."""
     narrowed = Options(cuts=3, paths=(failure.path,) if failure.path else (), lazy_jobs=3,
-                       cli=failure.path == "cli",
+                       cli=failure.path == "cli", nproc=failure.path == "nproc2",
                        envs=(failure.env["name"],) if failure.env and failure.env.get("name") in T.ENVIRONMENTS
                        else opts.envs)
     best, tries = failure, 0
@@ -320,8 +321,8 @@ def shrink(failure: Failure, opts: Options, budget: int, workdir: str) -> Failur
     while improved and tries < budget:
         improved = False
         for cand in sorted(rgen.smaller(best.spec), key=rgen.size):
-            if tries >= budget:
-                break
+            if tries >= budget or (deadline is not None and time.monotonic() > deadline):
+                return best
             tries += 1
             try:
                 found = check_program(cand, random.Random(tries), narrowed, Figures(), workdir)
@@ -334,8 +335,17 @@ def shrink(failure: Failure, opts: Options, budget: int, workdir: str) -> Failur
     return best
 
 
-def search(specs, rng: random.Random, opts: Options, figures: Figures, shrink_budget=20, stop_after=None):
-    """Check each spec; returns the shrunk failures (one per program, the first found)."""
+def distinct(failures: list[Failure], most: int = 3) -> list[Failure]:
+    """The first failure of each kind (category, copy path, environment), at most `most` of them."""
+    kinds: dict = {}
+    for f in failures:
+        kinds.setdefault((f.category, f.path, (f.env or {}).get("name")), f)
+    return list(kinds.values())[:most]
+
+
+def search(specs, rng: random.Random, opts: Options, figures: Figures, shrink_budget=20, stop_after=None,
+           shrink_seconds: float = 120.0) -> list[list[Failure]]:
+    """Check each spec; returns, for each program that fails, its distinct failures, shrunk."""
     found = []
     workdir = tempfile.mkdtemp(prefix="resume-search-")
     try:
@@ -343,8 +353,12 @@ def search(specs, rng: random.Random, opts: Options, figures: Figures, shrink_bu
             failures = check_program(spec, rng, opts, figures, workdir)
             if failures:
                 figures["failures"] += 1
-                figures[f"failures_{failures[0].category}"] += 1
-                found.append(shrink(failures[0], opts, shrink_budget, workdir) if shrink_budget else failures[0])
+                kinds = distinct(failures)
+                for f in kinds:
+                    figures[f"failures_{f.category}"] += 1
+                deadline = time.monotonic() + shrink_seconds
+                found.append([shrink(f, opts, shrink_budget, workdir, deadline) if shrink_budget else f
+                              for f in kinds])
                 if stop_after and len(found) >= stop_after:
                     break
     finally:
@@ -375,8 +389,9 @@ def main(argv=None):
     specs = [json.loads(a.spec)] if a.spec else [rgen.random_spec(a.seed + i, a.profile, long=True)
                                                  for i in range(a.seeds)]
     found = search(specs, rng, opts, figures, shrink_budget=0 if a.spec else 20)
-    for f in found:
-        print(f.describe(), "\n")
+    for program in found:
+        for f in program:
+            print(f.describe(), "\n")
     print(json.dumps({"resume": figures.as_json()}))
     return 1 if found else 0
 
