@@ -62,7 +62,9 @@ class Failure:
                + (f" --cut {self.cut}" if self.cut is not None else "")
                + (f" --copy {self.path}" if self.path else "")
                + (f" --env {self.env['name']}" if self.env else ""))
-        return (f"[{self.category}] cut after {self.cut} steps, copy path {self.path}, resumed in {env}\n"
+        where = (f"cut after {self.cut} steps, copy path {self.path}, resumed in {env}" if self.cut is not None
+                 else "the uninterrupted run itself (no cut, no copy)")
+        return (f"[{self.category}] {where}\n"
                 f"  mutations: {rgen.mutations_of(self.spec)}, subclasses: {rgen.has_subclasses(self.spec)}\n"
                 f"  problems:\n    " + "\n    ".join(p[:400] for p in self.problems[:8]) +
                 f"\n  program:\n    " + listing.replace("\n", "\n    ") +
