@@ -38,7 +38,9 @@ def _impure(node: Any) -> str | None:
         return f"{node.target}: in-place or view op"
     if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
         return f"{node.target}: random numbers (inductor draws them differently from eager)"
-    return None
+    from .effects import refused_node
+
+    return refused_node(node)  # an assertion, an op that compiles to other values than eager's
 
 
 def plain_tensor(a: Any) -> bool:

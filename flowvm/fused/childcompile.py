@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import internals
+from .effects import refused_node
 from .refused import Refused
 from .stateful import BACKWARD, FORWARD, META
 
@@ -214,6 +215,9 @@ def check_graph(gm: Any, random: bool) -> None:
                 raise Refused(f"{node.target}: in-place op")
             if not random and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
                 raise Refused(f"{node.target}: random numbers, and fallback_random is off")
+            why = refused_node(node)  # an assertion, an op that compiles to other values than eager's
+            if why is not None:
+                raise Refused(why)
 
 
 def _package(gm: Any, layouts: list, path: str, options: dict) -> None:

@@ -84,6 +84,8 @@ class Choosing:
             changed = self._direct[3].changed()  # what the compiled form read, changed since: it runs eagerly
             if changed is not None:
                 text += f"; eager while {changed}"
+        if getattr(self, "eager_while", None) is not None and self.state in ("compiled", "trial"):
+            text += f"; eager while {self.eager_while}"  # the thread's form's own checks (flowvm/fused/callcheck.py)
         return text
 
     def _status(self) -> str:

@@ -178,10 +178,11 @@ def compiler_ready(names: tuple[str, ...]) -> bool:
     return False
 
 
-def inductor_after_tracing(s, traced: threading.Event) -> Callable:
+def inductor_after_tracing(s, traced: threading.Event, check: Callable | None = None) -> Callable:
     """Inductor as torch.compile runs it (``mode``, ``options``, ``dynamic``), setting ``traced``
-    when AOTAutograd hands its first graph (on fake tensors) to inductor's inner compiler."""
-    return internals.inductor_after_tracing(s.mode, dict(s.options), s.dynamic, traced)
+    when AOTAutograd hands its first graph (on fake tensors) to inductor's inner compiler, ``check(gm)``
+    seeing each graph first."""
+    return internals.inductor_after_tracing(s.mode, dict(s.options), s.dynamic, traced, check)
 
 
 def direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:

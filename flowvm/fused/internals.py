@@ -150,9 +150,11 @@ def fx_patcher() -> Any:
 
 
 # ----------------------------------------------------------------------------------------- the thread's compile
-def inductor_after_tracing(mode: Any, options: dict, dynamic: Any, traced: Any) -> Callable:
+def inductor_after_tracing(mode: Any, options: dict, dynamic: Any, traced: Any,
+                           check: Callable[[Any], None] | None = None) -> Callable:
     """Inductor as torch.compile runs it (``mode``, ``options``, ``dynamic``), setting the event ``traced``
-    when AOTAutograd hands its first graph (on fake tensors) to inductor's inner compiler."""
+    when AOTAutograd hands its first graph (on fake tensors) to inductor's inner compiler; ``check(gm)``
+    sees each aten graph inductor compiles first (and may raise to refuse it)."""
     import inspect
 
     import torch
@@ -165,6 +167,8 @@ def inductor_after_tracing(mode: Any, options: dict, dynamic: Any, traced: Any) 
 
     def inner_compile(*args, **kwargs):
         traced.set()
+        if check is not None:
+            check(args[0] if args else kwargs["gm"])
         return cfx.compile_fx_inner(*args, **kwargs)
 
     def inductor(gm, example_inputs):
@@ -197,6 +201,18 @@ def lowering_backward_now() -> Any:
     if getattr(torch._functorch.config, "force_non_lazy_backward_lowering", None) is None:
         return contextlib.nullcontext()  # pragma: no cover - older torch
     return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
+
+
+def aten_graphs_seen() -> Any:
+    """A context in which AOTAutograd hands every graph to inductor's inner compiler (its own cache, which
+    would skip it, off: inductor's cache of compiled graphs still applies), so that ``check`` sees it."""
+    import contextlib
+
+    import torch
+
+    if getattr(torch._functorch.config, "enable_autograd_cache", None) is None:
+        return contextlib.nullcontext()  # pragma: no cover - older torch
+    return torch._functorch.config.patch(enable_autograd_cache=False)
 
 
 def run_only(fn: Callable) -> Callable:

@@ -46,6 +46,8 @@ from ..machine.running import remaining_runs
 from . import cache
 from .choosing import MIN_TRIAL_SECONDS, Choosing, microseconds  # noqa: F401  (MIN_TRIAL_SECONDS: the trials' knob)
 from .checks import collective
+from .effects import refused_call
+from .refused import Refused
 from .codegen import generate, leaf_source
 from .compiler import _direct_caller, compile_estimate, program_ran
 from .packaged import Packaged
@@ -91,6 +93,8 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         self._deferred: tuple | None = None  # (job, entry) of a cached package not loaded yet (_cached)
         self._tries = 0                    # compiles started again for lack of resources (_later)
         self._retry_at = 0.0               # time.monotonic() before which none starts again
+        self._callcheck = None             # the thread's compiled form's own checks (flowvm/fused/callcheck.py)
+        self.eager_while: str | None = None  # why the last call of the compiled form ran eagerly (callcheck)
         self.current: Callable = self.eager if self.state == "eager" else self._first
 
     # -- the leaf the driver calls
@@ -126,8 +130,9 @@ class Runtime(Choosing, Packaged, ThreadCompile):
     def _first(self, *args):
         """The first execution: start compiling (or compile now, when not in the background)."""
         st = self.settings
-        reason = collective(self.el.calls)
-        if reason is not None:  # never compiled: the ranks must run the same collectives (checks.collective)
+        reason = collective(self.el.calls) or refused_call(self.el.calls)
+        if reason is not None:  # never compiled: the ranks must run the same collectives (checks.collective),
+            # an assertion must not be dropped, an op must not compute other values (effects.refused_call)
             self.state, self.current, self.refused, self.decision = "eager", self.eager, reason, f"eager: {reason}"
             return self.eager(*args)
         if st.form != "eager" and self._from_cache(args):  # compiled already: no warm-up, nothing to repay
@@ -191,7 +196,10 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         self._job_done = False
         if self._deferred is None:  # else loaded when the compiled form first runs
             self._install_direct()
-        if self.error is not None:
+        if isinstance(self.error, Refused):  # the graph holds what must not be compiled (flowvm/fused/effects.py)
+            self.refused = str(self.error)
+            self.state, self.current, self.decision = "eager", self.eager, f"eager: {self.refused}"
+        elif self.error is not None:
             self.current = self._check_failure
         elif self.settings.form == "compiled":
             self.state, self.current, self.decision = "compiled", self._compiled_call, "forced"
@@ -238,16 +246,33 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         hits = self.hits
         gen = self.generated
         pos = gen.head_positions
+        head = args if pos is None else tuple(args[k] for k in pos)
+        check = self._callcheck
+        saved = None
+        if check is not None:  # aliasing and modules as compiled (flowvm/fused/callcheck.py)
+            why = check.why_not(head)
+            if why is not None:
+                self.eager_while = why
+                return self.eager(*args)
+            if self.eager_while is not None:
+                self.eager_while = None
+            saved = check.before(head)
         try:
-            out = self._runonly(*args) if pos is None else self._runonly(*[args[k] for k in pos])
+            out = self._runonly(*head)
         except Exception as err:
             if self.hits == hits:  # ran eagerly (a guard miss): the user's own error
                 raise
-            out = self.eager(*args)  # the compiled code failed; an eager error is the user's
+            if check is not None and not check.undo(saved):  # run again, it would write twice: raised as it is
+                err.add_note("flowvm: the compiled form of this fused step raised after writing in place; it is "
+                             "not run again eagerly (that would repeat its writes)")
+                raise
+            out = self.eager(*args)  # the compiled code failed (its writes and draws undone); an eager error is the user's
             self._give_up(err)
             return out
         if self.hits == hits:
             self._missed(args)
+        elif saved is not None and check.written is None:
+            check.after(saved)
         return out if gen.tail is None else gen.tail(out, *args)
 
     def _install_direct(self) -> Callable:

@@ -31,11 +31,12 @@ def global_hooks() -> list:
     return [getattr(nnmodule, name, None) for name in _GLOBAL_HOOKS]
 
 
-def _module_checks(k: int, module: Any, ns: dict, guarded: bool) -> list[str]:
+def _module_checks(k: int, module: Any, ns: dict, guarded: bool, as_compiled: bool = False) -> list[str]:
     """Source checking that module k computes what it computed when compiled: the same training flag,
     submodules and settings (a Dropout's ``p``, a BatchNorm's ``eps``...), and no hook.  A guarded step's
     settings are those its guards name (flowvm/fused/guards.py), not every attribute: a counter of the
-    user's that the step does not read may change."""
+    user's that the step does not read may change.  With as_compiled (the thread's compile, which traced the
+    hooks and an instance's ``forward`` there were), the same hooks and ``forward`` as when compiled."""
     import torch
 
     own = internal_module_classes()
@@ -45,7 +46,17 @@ def _module_checks(k: int, module: Any, ns: dict, guarded: bool) -> list[str]:
     ns[f"mo{k}"], ns[f"mt{k}"] = module, type(module)
     checks = [f"type(mo{k}) is mt{k}", f"m{k}['training'] is {bool(module.training)}",
               f"len(m{k}['_modules']) == {len(attrs['_modules'])}"]
-    checks += [f"not m{k}[{name!r}]" for name in HOOK_ATTRS if name in attrs] + [f"'forward' not in m{k}"]
+    if not as_compiled:
+        checks += [f"not m{k}[{name!r}]" for name in HOOK_ATTRS if name in attrs] + [f"'forward' not in m{k}"]
+    else:
+        for name in HOOK_ATTRS:
+            if name in attrs and attrs[name]:
+                ns[f"mh{k}_{name}"] = tuple(attrs[name].items())
+                checks.append(f"tuple(m{k}[{name!r}].items()) == mh{k}_{name}")
+            elif name in attrs:
+                checks.append(f"not m{k}[{name!r}]")
+        ns[f"mf{k}"] = attrs.get("forward")
+        checks.append(f"m{k}.get('forward') is mf{k}")
     for kind in ("_parameters", "_buffers"):  # the same names (a bias added where there was none...)
         checks.append(f"len(m{k}[{kind!r}]) == {len(attrs[kind])}")
         checks += [f"m{k}[{kind!r}].get({name!r}, 0) is None" for name, t in attrs[kind].items() if t is None]
@@ -96,3 +107,34 @@ def ready_check(p: Any) -> Callable[[], list | None]:
     lines.append("    return None")
     exec(compile("\n".join(lines) + "\n", "<flowvm FUSED state check>", "exec"), ns)
     return ns["ready"]
+
+
+def thread_check(modules: list) -> Callable[[], bool] | None:
+    """For a step compiled on the thread: a generated function telling whether its modules (and their
+    submodules) are as compiled: type, training flag, submodules, parameter and buffer names, hooks and an
+    instance's ``forward``, and torch's global module hooks.  Dynamo's guards leave hooks out
+    (``skip_nnmodule_hook_guards``).  None when the step holds no module."""
+    import torch
+
+    tree: list = []
+    for m in modules:
+        for sub in m.modules():
+            if not any(sub is t for t in tree):
+                tree.append(sub)
+    if not tree:
+        return None
+    ns: dict[str, Any] = {}
+    checks = []
+    for k, module in enumerate(tree):
+        checks += _module_checks(k, module, ns, guarded=True, as_compiled=True)
+    from torch.nn.modules import module as nnmodule
+
+    for j, name in enumerate(_GLOBAL_HOOKS):
+        hooks = getattr(nnmodule, name, None)
+        if isinstance(hooks, dict):
+            ns[f"g{j}"], ns[f"gh{j}"] = hooks, tuple(hooks.items())
+            checks.append(f"not g{j}" if not hooks else f"tuple(g{j}.items()) == gh{j}")
+    del torch
+    source = f"def modules_ok():\n    return {' and '.join(checks)}\n"
+    exec(compile(source, "<flowvm FUSED module check>", "exec"), ns)
+    return ns["modules_ok"]

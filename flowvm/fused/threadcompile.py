@@ -15,6 +15,10 @@ from typing import Callable
 
 from ..base.errors import WarmedUp as _WarmedUp
 from . import internals, resources
+from .callcheck import CallCheck
+from .codegen import _barrier_index
+from .effects import refused_dynamo_graph, refused_graph
+from .refused import Refused
 from .compiler import compiler_ready, direct_compile, inductor_after_tracing, backend_modules, submit_compile, program_waits
 from .compiler import compile_seconds as compiler_seconds
 
@@ -50,6 +54,11 @@ class ThreadCompile:
         if pos is not None:
             args = tuple(args[k] for k in pos)
 
+        if self._callcheck is None:  # the checks the compiled form runs before each call (flowvm/fused/callcheck.py)
+            calls = self.el.calls if self.generated.tail is None else self.el.calls[:_barrier_index(self.el.calls)]
+            self._callcheck = CallCheck(calls, args, self.settings.backend)
+        else:
+            self._callcheck.add(args)
         short: list = []
         job = functools.partial(self._thread_job, args, grad, inference, background, short)
         self.compiles += 1
@@ -76,7 +85,7 @@ class ThreadCompile:
         if callable(s.backend):
             inner = s.backend
         elif s.backend == "inductor":
-            inner = inductor_after_tracing(s, self._traced)
+            inner = inductor_after_tracing(s, self._traced, self._check_graph)
         else:
             inner = internals.lookup_backend(s.backend)
         if s.backend == "inductor" or internals.is_aot_backend(inner):
@@ -87,6 +96,9 @@ class ThreadCompile:
         def flowvm_backend(gm, example_inputs):
             if traced_at_entry:
                 runtime._traced.set()
+            why = refused_dynamo_graph(gm)  # an assertion in code of yours, say
+            if why is not None:
+                raise Refused(why)
             with internals.lowering_backward_now():  # the backward now, not at the first backward() later
                 fn = inner(gm, example_inputs)
 
@@ -99,6 +111,25 @@ class ThreadCompile:
             return run
 
         return flowvm_backend
+
+    def _check_graph(self, gm) -> None:
+        """Each aten graph inductor is given: refuse an op that compiles to other values than eager's or
+        that may be dropped (flowvm/fused/effects.py); note whether the step writes in place or draws random
+        numbers (what a failed call must not repeat: flowvm/fused/callcheck.py)."""
+        import torch
+
+        why = refused_graph(gm)
+        if why is not None:
+            raise Refused(why)
+        check = self._callcheck
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            schema = getattr(node.target, "_schema", None)
+            if schema is not None and schema.is_mutable:
+                check.writes = True
+            if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+                check.draws = True
 
     def _thread_job(self, args: tuple, grad: bool, inference: bool, background: bool, short: list) -> None:
         """The compile thread's job: torch.compile the head and stop it at its graph (``_WarmedUp``), then the
@@ -113,13 +144,17 @@ class ThreadCompile:
                                          dynamic=self.settings.dynamic)
                 self._runonly = run_only(self.generated.head)
                 self._compiled = compiled
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), internals.aten_graphs_seen():
                 self._compiled(*args)
         except _WarmedUp:
             if self._direct is None:
                 self._direct = direct_compile(self, args, inference)
         except Exception as err:  # a graph break, an unknown backend, a compiler error
-            if background and resources.resource_error(err) and self._tries < resources.MAX_TRIES:
+            refused = _refusal(err)
+            if refused is not None:  # the step holds what must not be compiled: eager, saying why
+                err = refused
+                self.refused = str(refused)
+            if refused is None and background and resources.resource_error(err) and self._tries < resources.MAX_TRIES:
                 short.append(err)  # no thread, process or memory left for now: not the step's failure
             else:
                 self.error = err
@@ -137,3 +172,14 @@ class ThreadCompile:
             else:
                 self._job_done = True
             self._traced.set()
+
+
+def _refusal(err: BaseException) -> Refused | None:
+    """The ``Refused`` a compile error carries (dynamo wraps a backend's exceptions), or None."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, Refused):
+            return err
+        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
+        seen += 1
+    return None
