@@ -134,6 +134,7 @@ class CallCheck:
         self.writes = not exact
         self.draws = not exact
         self.written: list[int] | None = None  # which of _tensors() the step writes, once a call told
+        self.small = False                     # and they total at most COPY_BYTES
 
 
     def add(self, args: tuple) -> None:
@@ -163,27 +164,34 @@ class CallCheck:
         return out
 
     def before(self, args: tuple) -> tuple | None:
-        """What a failed call needs to be undone (None for a step that neither writes nor draws): the version
-        counters of the tensors it may write, copies of those it writes (those it wrote the first time it
-        ran, all until then) while they total at most COPY_BYTES, and the generator's state."""
+        """What a failed call needs to be undone (None for a step that neither writes nor draws): copies of the
+        tensors it writes (those its first call wrote; until then all it may write, with their version
+        counters) while they total at most COPY_BYTES, else the version counters alone, and the generator's
+        state."""
         if not (self.writes or self.draws):
             return None
         import torch
 
-        tensors = versions = copies = None
-        if self.writes:
-            tensors = self._tensors(args)
-            versions = [t._version for t in tensors]
-            chosen = range(len(tensors)) if self.written is None else self.written
-            if sum(tensors[k].nbytes for k in chosen if k < len(tensors)) <= COPY_BYTES:
-                copies = [(k, tensors[k].detach().clone()) for k in chosen if k < len(tensors)]
-        return tensors, versions, copies, (torch.get_rng_state() if self.draws else None)
+        rng = torch.get_rng_state() if self.draws else None
+        if not self.writes:
+            return None, None, None, rng
+        tensors = self._tensors(args)
+        written = self.written
+        if written is not None and self.small:  # the usual case: copies of what it writes, no counters
+            return tensors, None, [(k, tensors[k].detach().clone()) for k in written if k < len(tensors)], rng
+        versions = [t._version for t in tensors]
+        chosen = range(len(tensors)) if written is None else written
+        copies = None
+        if sum(tensors[k].nbytes for k in chosen if k < len(tensors)) <= COPY_BYTES:
+            copies = [(k, tensors[k].detach().clone()) for k in chosen if k < len(tensors)]
+        return tensors, versions, copies, rng
 
     def after(self, saved: tuple | None) -> None:
         """A call went through: the first one tells which tensors the step writes (their versions moved)."""
-        if self.written is None and saved is not None and saved[0] is not None:
+        if self.written is None and saved is not None and saved[1] is not None:
             tensors, versions = saved[0], saved[1]
             self.written = [k for k, (t, v) in enumerate(zip(tensors, versions)) if t._version != v]
+            self.small = sum(tensors[k].nbytes for k in self.written) <= COPY_BYTES
 
     def undo(self, saved: tuple | None) -> bool:
         """Undo a failed call: put back the tensors it wrote and the generator's state.  False when it wrote a
@@ -194,7 +202,8 @@ class CallCheck:
 
         tensors, versions, copies, rng = saved
         if tensors is not None:
-            moved = [k for k, (t, v) in enumerate(zip(tensors, versions)) if t._version != v]
+            moved = [k for k, _ in copies] if versions is None else \
+                [k for k, (t, v) in enumerate(zip(tensors, versions)) if t._version != v]
             kept = dict(copies or ())
             if any(k not in kept for k in moved):
                 return False
