@@ -9,6 +9,13 @@ precision).  The clock, a plain CALL of its own and so never fused, records the 
 each iteration and then makes the mutations scheduled for that iteration, between two steps, in the same
 place of the interpreted and of the optimized program.
 
+Other templates meet what a compiled step must not compute differently however its trace was guarded, with
+mutation kinds of their own: input registers made overlapping views of one tensor (``alias``), a forward hook
+added to or removed from a module (``hook``), an assertion whose condition turns false (``nan``), an error
+after in-place writes and random draws (``index``), and extreme values (``extreme``: signed zeros, infinities,
+values out of int8's range for casts).  A program that raises records the error's type as its last record;
+its final record holds the registers it writes in place and a draw from the global generator.
+
 The templates are few and start from the same constants, so their step graphs are few and inductor's
 on-disk cache shares their compiles across examples; what varies is which templates a program holds, how
 long it runs and what changes when.
@@ -33,6 +40,12 @@ GAIN = 1.0  # read by by_global: a global of the module
 @flowvm.fusable
 def by_global(x):
     return torch.tanh(x) * GAIN
+
+
+@flowvm.fusable
+def checked(x):
+    torch._assert_async(torch.isfinite(x).all())
+    return x * 2.0
 
 
 @flowvm.fusable
@@ -76,6 +89,15 @@ class World:
         self.by_cell, self.set_gain = closure()
         self.scaler = Scaler()
         self.leaf = torch.full((SIZE,), 0.5, requires_grad=True)  # a constant tensor needing a gradient
+        self.reg: Registers | None = None      # the program's registers (build sets them)
+        g = torch.Generator().manual_seed(1)
+        self.net = torch.nn.Sequential(torch.nn.Linear(SIZE, SIZE), torch.nn.Tanh())
+        self.bn_net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.3),
+                                          torch.nn.Tanh())
+        with torch.no_grad():
+            for p in list(self.net.parameters()) + list(self.bn_net.parameters()):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        self.hooks: list = []                  # handles of the hooks the "hook" mutation added
 
 
 def _roll(w: World, x, t, h):
@@ -119,6 +141,49 @@ def _matmul(w: World, x, t, h):
             CALL(torch.sum, t, 0, store_to=h)]
 
 
+def _alias(w: World, x, t, h):  # writes a, reads b: overlapping a and b, the write shows in b
+    r = w.reg
+    return [CALL(torch.Tensor.add_, r("a"), 1.0), CALL(torch.mul, r("b"), 2.0, store_to=t),
+            CALL(torch.add, t, r("a"), store_to=h)]
+
+
+def _hook(w: World, x, t, h):
+    return [CALL(w.net, x, store_to=t), CALL(torch.mul, t, 2.0, store_to=h)]
+
+
+def _bn_hook(w: World, x, t, h):  # training: BatchNorm's statistics written, dropout's draws
+    return [CALL(torch.reshape, x, (2, 4), store_to=t), CALL(w.bn_net, t, store_to=t),
+            CALL(torch.flatten, t, store_to=h)]
+
+
+def _assert(w: World, x, t, h):
+    return [CALL(torch.isfinite, x, store_to=t), CALL(torch.all, t, store_to=t), CALL(torch._assert_async, t),
+            CALL(torch.add, x, 1.0, store_to=h)]
+
+
+def _assert_fn(w: World, x, t, h):  # the assertion inside a function of the program's
+    return [CALL(checked, x, store_to=t), CALL(torch.neg, t, store_to=h)]
+
+
+def _raise(w: World, x, t, h):  # a draw and a write, then an index that may be out of range
+    r = w.reg
+    return [CALL(torch.rand, SIZE, store_to=t), CALL(torch.Tensor.add_, r("acc"), t),
+            CALL(torch.index_select, r("acc"), 0, r("idx"), store_to=h), CALL(torch.mul, h, 2.0, store_to=h)]
+
+
+def _clamp(w: World, x, t, h):
+    return [CALL(torch.clamp, x, min=0, store_to=t), CALL(torch.reciprocal, t, store_to=h)]
+
+
+def _fmax(w: World, x, t, h):
+    return [CALL(torch.zeros_like, x, store_to=t), CALL(torch.neg, t, store_to=t), CALL(torch.fmax, x, t, store_to=t),
+            CALL(torch.reciprocal, t, store_to=h)]
+
+
+def _int8(w: World, x, t, h):
+    return [CALL(torch.mul, x, 100.0, store_to=t), CALL(torch.Tensor.to, t, torch.int8, store_to=h)]
+
+
 # template -> (builder, the mutation kinds it is most sensitive to)
 TEMPLATES: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "roll": (_roll, ("list",)),
@@ -131,6 +196,15 @@ TEMPLATES: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "leaf": (_leaf, ("grad",)),
     "cumsum": (_cumsum, ("deterministic",)),
     "matmul": (_matmul, ("precision",)),
+    "alias": (_alias, ("alias",)),
+    "hook": (_hook, ("hook",)),
+    "bn_hook": (_bn_hook, ("hook",)),
+    "assert": (_assert, ("nan",)),
+    "assert_fn": (_assert_fn, ("nan",)),
+    "raise": (_raise, ("index",)),
+    "clamp": (_clamp, ("extreme",)),
+    "fmax": (_fmax, ("extreme",)),
+    "int8": (_int8, ("extreme",)),
 }
 
 PROCESS = ("dtype", "grad", "deterministic", "precision")
@@ -147,7 +221,14 @@ VALUES: dict[str, tuple] = {
     "grad": (True, False),
     "deterministic": (False, True),
     "precision": ("highest", "medium", "high"),
+    "alias": ("separate", "overlap"),
+    "hook": ("off", "on"),
+    "nan": (False, True),
+    "index": (1, SIZE + 5),
+    "extreme": (False, True),
 }
+
+EXTREME = (0.0, -0.0, float("inf"), -float("inf"), 3.0, -2.5, 1e10, -0.0)  # times 100: out of int8's range
 
 
 def mutate(w: World, kind: str, value: Any) -> None:
@@ -172,6 +253,27 @@ def mutate(w: World, kind: str, value: Any) -> None:
         torch.use_deterministic_algorithms(value)
     elif kind == "precision":
         torch.set_float32_matmul_precision(value)
+    elif kind == "alias":
+        if value == "overlap":  # two views of one tensor, one element apart
+            base = torch.linspace(0.0, 1.0, SIZE + 1)
+            w.reg["a"], w.reg["b"] = base[:SIZE], base[1:]
+        else:
+            w.reg["a"], w.reg["b"] = torch.linspace(0.0, 1.0, SIZE), torch.linspace(1.0, 2.0, SIZE)
+    elif kind == "hook":
+        if value == "on":
+            for m in (w.net[1], w.bn_net[3]):
+                w.hooks.append(m.register_forward_hook(lambda mod, args, out: out * 2.0 + 1.0))
+        else:
+            while w.hooks:
+                w.hooks.pop().remove()
+    elif kind == "nan":
+        x = w.reg["x"].clone()
+        x[3] = float("nan") if value else 0.5
+        w.reg["x"] = x
+    elif kind == "index":
+        w.reg["idx"] = torch.tensor([0, value])
+    elif kind == "extreme":
+        w.reg["x"] = torch.tensor(EXTREME) if value else torch.randn(SIZE, generator=torch.Generator().manual_seed(0))
     else:  # pragma: no cover - a kind without a mutation is a bug of this module
         raise ValueError(f"no mutation of kind {kind!r}")
 
@@ -271,6 +373,9 @@ def build(spec: Spec) -> Built:
     outputs = [f"h{k}" for k in range(len(spec.templates))]
     g = torch.Generator().manual_seed(0)
     reg = Registers(x=torch.randn(SIZE, generator=g), **{h: torch.zeros(SIZE) for h in outputs})
+    for name, value in initial().items():
+        reg[name] = value
+    world.reg = reg
     body = [CALL(clock.tick, *[reg(h) for h in outputs])]
     for k, name in enumerate(spec.templates):
         if k and not spec.together:
@@ -279,13 +384,29 @@ def build(spec: Spec) -> Built:
     return Built(REPEAT(spec.iterations, SEQ(body)), reg, world, clock, outputs)
 
 
+def initial() -> dict:
+    """The registers some templates read besides x: a and b (alias), acc and idx (raise)."""
+    return {"a": torch.linspace(0.0, 1.0, SIZE), "b": torch.linspace(1.0, 2.0, SIZE), "acc": torch.zeros(SIZE),
+            "idx": torch.tensor([0, 1])}
+
+
+EXTRA = ("a", "b", "acc")  # registers written in place, in the final record
+
+
 def run(built: Built, program: Any = None) -> list:
     """Run built's program (or program, an optimized form of it over the same registers) to the end under
-    restored process state; the records of each iteration and the final registers."""
+    restored process state, the global generator seeded; the records of each iteration, the error's type if
+    it raised, and the final registers (those written in place too) with a draw from the global generator."""
+    error = []
     with process_state():
-        (program if program is not None else built.program).run()
-        final = snapshot([built.reg[h] for h in built.outputs])
-    return built.clock.records + [final]
+        torch.manual_seed(1234)
+        try:
+            (program if program is not None else built.program).run()
+        except Exception as err:  # the same error at the same iteration in both runs
+            error = [(("raised", type(err).__name__),)]
+        final = snapshot([built.reg[h] if h in built.reg else torch.zeros(0) for h in built.outputs]
+                         + [built.reg[e] for e in EXTRA] + [torch.rand(4)])
+    return built.clock.records + error + [final]
 
 
 def differences(expected: list, got: list, exact: bool) -> list[str]:
@@ -295,6 +416,11 @@ def differences(expected: list, got: list, exact: bool) -> list[str]:
     if len(expected) != len(got):
         return [f"{len(got)} records instead of {len(expected)}"]
     for i, (a_rec, b_rec) in enumerate(zip(expected, got)):
+        if len(a_rec) != len(b_rec) or isinstance(a_rec[0], tuple) and a_rec[0][:1] == ("raised",) or \
+                isinstance(b_rec[0], tuple) and b_rec[0][:1] == ("raised",):
+            if a_rec != b_rec:
+                out.append(f"record {i}: {b_rec[0]} instead of {a_rec[0]}")
+            continue
         for k, (a, b) in enumerate(zip(a_rec, b_rec)):
             where = f"iteration {i}, h{k}"
             if a[:3] != b[:3]:
@@ -302,5 +428,8 @@ def differences(expected: list, got: list, exact: bool) -> list[str]:
             elif exact and not torch.equal(a[3], b[3]):
                 out.append(f"{where}: not bit for bit, max abs diff {(a[3] - b[3]).abs().max().item():.3g}")
             elif not torch.allclose(a[3], b[3], rtol=1e-5, atol=1e-6, equal_nan=True):
-                out.append(f"{where}: max abs diff {(a[3] - b[3]).abs().max().item():.3g}")
+                diff = (a[3].double() - b[3].double()).nan_to_num(float("inf")).abs().max().item()
+                out.append(f"{where}: max abs diff {diff:.3g}")
+            elif a[3].is_floating_point() and ((a[3] == 0) & (b[3] == 0) & (a[3].signbit() != b[3].signbit())).any():
+                out.append(f"{where}: zeros of the other sign")
     return out

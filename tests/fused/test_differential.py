@@ -7,6 +7,11 @@ iteration: dtypes, shapes and gradient flags exactly, values bit for bit while n
 float rounding once some did; a step that never ran compiled says why (``runtime().refused`` or its
 header).
 
+Other mutations meet what no guard of a trace sees (diffprogs.py): input registers made overlapping views of
+one tensor, forward hooks added and removed, an assertion turning false, an error after in-place writes and
+draws, extreme values (signed zeros, infinities, casts out of int8's range).  A program that raises must raise
+the same error type at the same iteration, leaving the same registers and generator.
+
 The CI runs a short, derandomized version: 20 programs on the thread, 2 through the child process (2-3
 minutes here with inductor's cache cold, 20-40 s warm plus the children's compiles).  The long run is
 ``bash scripts/difftest.sh [EXAMPLES]`` (FLOWVM_DIFF_EXAMPLES examples on the thread, a tenth of them
@@ -113,7 +118,7 @@ def wait_for_compiles(runtimes):
     return before
 
 
-CHILD_TEMPLATES = tuple(t for t in ("roll", "roll_kw", "ones", "cumsum", "matmul", "global", "dict")
+CHILD_TEMPLATES = tuple(t for t in ("roll", "roll_kw", "ones", "cumsum", "matmul", "global", "dict", "hook", "int8")
                         if not ONLY or t in ONLY) or ONLY
 
 
@@ -131,3 +136,18 @@ def test_a_step_compiled_in_a_child_process_computes_what_the_interpreted_one_do
     """Compiled in a child process (AOTInductor), in the background; the program waits for it once, so
     that the mutations come after the package arrived.  No shrinking: each example costs a child's compile."""
     compare(spec, IN_A_CHILD, waits=wait_for_compiles)
+
+
+# One program per class a guarded trace used to miss (compiled on the thread): each must run as interpreted.
+UNSEEN = [
+    D.Spec(("alias", "roll"), 5, ((2, "alias", "overlap"), (3, "list", 3)), together=True),  # overlapping inputs
+    D.Spec(("bn_hook",), 5, ((2, "hook", "on"), (4, "hook", "off"))),  # a hook on a training step (writes, draws)
+    D.Spec(("assert_fn",), 4, ((2, "nan", True),)),  # an assertion in a function of the program's
+    D.Spec(("raise",), 4, ((2, "index", D.SIZE + 5),)),  # an error after a draw and an in-place write
+    D.Spec(("clamp", "int8"), 3, ((1, "extreme", True),)),  # signed zeros, infinities, int8 casts
+]
+
+
+@pytest.mark.parametrize("spec", UNSEEN, ids=str)
+def test_what_no_guard_of_the_trace_sees_runs_as_interpreted(spec):
+    compare(spec, ON_THE_THREAD)
