@@ -16,7 +16,6 @@ ROOT = Path(flowvm.__file__).resolve().parent
 # Private imports across modules that predate this rule, outside the folders it was first applied to: each
 # one goes when its module is next reworked; none may be added.
 KNOWN_PRIVATE_IMPORTS = {
-    ("fused/compiler.py", "_barrier_index"), ("fused/jobs.py", "_barrier_index"),
     ("fused/outofprocess.py", "_at_exit"), ("fused/runtime.py", "_direct_caller"), ("passes/fuse_torch.py", "_MARK"),
     ("persist/state.py", "_key_bytes"), ("persist/stateshow.py", "_key_bytes"),
     ("persist/statedecoder.py", "_GLOBALS"), ("persist/statedecoder.py", "_float_value"),

@@ -178,13 +178,10 @@ class CallCheck:
         tensors = self._tensors(args)
         written = self.written
         if written is not None and self.small:  # the usual case: copies of what it writes, no counters
-            return tensors, None, [(k, tensors[k].detach().clone()) for k in written if k < len(tensors)], rng
-        versions = [t._version for t in tensors]
+            return tensors, None, _copies(tensors, written), rng
         chosen = range(len(tensors)) if written is None else written
-        copies = None
-        if sum(tensors[k].nbytes for k in chosen if k < len(tensors)) <= COPY_BYTES:
-            copies = [(k, tensors[k].detach().clone()) for k in chosen if k < len(tensors)]
-        return tensors, versions, copies, rng
+        big = sum(tensors[k].nbytes for k in chosen if k < len(tensors)) > COPY_BYTES
+        return tensors, [t._version for t in tensors], None if big else _copies(tensors, chosen), rng
 
     def after(self, saved: tuple | None) -> None:
         """A call went through: the first one tells which tensors the step writes (their versions moved)."""
@@ -213,3 +210,8 @@ class CallCheck:
         if rng is not None:
             torch.set_rng_state(rng)
         return True
+
+
+def _copies(tensors: list, chosen) -> list:
+    """(position, copy) for each chosen tensor there is."""
+    return [(k, tensors[k].detach().clone()) for k in chosen if k < len(tensors)]

@@ -196,7 +196,7 @@ def leaf_source(el, rt_name: str = "rt") -> str:
     return "\n".join(body) + "\n"
 
 
-def _barrier_index(calls) -> int:
+def barrier_index(calls) -> int:
     return next((i for i, c in enumerate(calls) if is_barrier(c.fn)), len(calls))
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 
 from . import internals
-from .codegen import _barrier_index
+from .codegen import barrier_index
 from .isolation import isolate_random_state, isolate_tracing
 from .checks import holds_state, mismatch, plain_graph, plain_tensor, torch_function
 
@@ -226,7 +226,7 @@ def _direct_calls(rt: Runtime, args: tuple, inference: bool) -> list | None:
         return None
     if not args or not all(plain_tensor(a) for a in args):
         return None
-    calls = rt.el.calls if rt.generated.tail is None else rt.el.calls[:_barrier_index(rt.el.calls)]
+    calls = rt.el.calls if rt.generated.tail is None else rt.el.calls[:barrier_index(rt.el.calls)]
     for call in calls:
         if not torch_function(call.fn) or holds_state(list(call.args)) or holds_state(dict(call.kwargs)):
             return None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import cache, outofprocess, stateful
-from .codegen import _barrier_index
+from .codegen import barrier_index
 from .reads import Reads
 from .refused import Refused
 
@@ -30,7 +30,7 @@ def describe(el: Any, gen: Any, options: dict, args: tuple) -> Job | str:
     pickle holds ids that differ between processes, and code imported by name could change under the same
     key), nor one whose modules' classes are pickled by value (a script's own)."""
     head_args = tuple(args) if gen.head_positions is None else tuple(args[k] for k in gen.head_positions)
-    calls = el.calls if gen.tail is None else el.calls[:_barrier_index(el.calls)]
+    calls = el.calls if gen.tail is None else el.calls[:barrier_index(el.calls)]
     cacheable = True
     if outofprocess.eligible(calls, head_args):
         payload = outofprocess.job_payload(gen.head, head_args, dict(options))

@@ -243,6 +243,10 @@ class Runtime(Choosing, Packaged, ThreadCompile):
             out = self.eager(*args)
             self._missed(args)
             return out
+        return self._guarded_call(args)
+
+    def _guarded_call(self, args: tuple):
+        """A call through dynamo's guards, checked first (flowvm/fused/callcheck.py) where the step needs it."""
         hits = self.hits
         gen = self.generated
         pos = gen.head_positions
@@ -262,18 +266,24 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         except Exception as err:
             if self.hits == hits:  # ran eagerly (a guard miss): the user's own error
                 raise
-            if check is not None and not check.undo(saved):  # run again, it would write twice: raised as it is
-                err.add_note("flowvm: the compiled form of this fused step raised after writing in place; it is "
-                             "not run again eagerly (that would repeat its writes)")
-                raise
-            out = self.eager(*args)  # the compiled code failed (its writes and draws undone); an eager error is the user's
-            self._give_up(err)
-            return out
+            return self._compiled_failed(err, saved, args)
         if self.hits == hits:
             self._missed(args)
         elif saved is not None and check.written is None:
             check.after(saved)
         return out if gen.tail is None else gen.tail(out, *args)
+
+    def _compiled_failed(self, err: Exception, saved: tuple | None, args: tuple):
+        """The compiled code raised: undo its writes and draws and run eagerly (an eager error is the user's),
+        or, when they cannot be undone, raise its error as it is (running again would write twice)."""
+        check = self._callcheck
+        if check is not None and not check.undo(saved):
+            err.add_note("flowvm: the compiled form of this fused step raised after writing in place; it is "
+                         "not run again eagerly (that would repeat its writes)")
+            raise err
+        out = self.eager(*args)
+        self._give_up(err)
+        return out
 
     def _install_direct(self) -> Callable:
         """The compiled form to call: the direct graph's generated caller once there is a direct graph."""

@@ -37,34 +37,48 @@ def _module_checks(k: int, module: Any, ns: dict, guarded: bool, as_compiled: bo
     settings are those its guards name (flowvm/fused/guards.py), not every attribute: a counter of the
     user's that the step does not read may change.  With as_compiled (the thread's compile, which traced the
     hooks and an instance's ``forward`` there were), the same hooks and ``forward`` as when compiled."""
-    import torch
-
-    own = internal_module_classes()
-    plain = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
     attrs = vars(module)
     ns[f"m{k}"] = attrs  # its dicts are read from it at each call (Sequential's del replaces _modules)
     ns[f"mo{k}"], ns[f"mt{k}"] = module, type(module)
     checks = [f"type(mo{k}) is mt{k}", f"m{k}['training'] is {bool(module.training)}",
               f"len(m{k}['_modules']) == {len(attrs['_modules'])}"]
-    if not as_compiled:
-        checks += [f"not m{k}[{name!r}]" for name in HOOK_ATTRS if name in attrs] + [f"'forward' not in m{k}"]
-    else:
-        for name in HOOK_ATTRS:
-            if name in attrs and attrs[name]:
-                ns[f"mh{k}_{name}"] = tuple(attrs[name].items())
-                checks.append(f"tuple(m{k}[{name!r}].items()) == mh{k}_{name}")
-            elif name in attrs:
-                checks.append(f"not m{k}[{name!r}]")
-        ns[f"mf{k}"] = attrs.get("forward")
-        checks.append(f"m{k}.get('forward') is mf{k}")
+    checks += _hook_checks(k, attrs, ns, as_compiled)
     for kind in ("_parameters", "_buffers"):  # the same names (a bias added where there was none...)
         checks.append(f"len(m{k}[{kind!r}]) == {len(attrs[kind])}")
         checks += [f"m{k}[{kind!r}].get({name!r}, 0) is None" for name, t in attrs[kind].items() if t is None]
     for j, (name, child) in enumerate(attrs["_modules"].items()):
         ns[f"mc{k}_{j}"] = child
         checks.append(f"m{k}['_modules'].get({name!r}) is mc{k}_{j}")
+    if not guarded:
+        checks += _setting_checks(k, attrs, ns)
+    return checks
+
+
+def _hook_checks(k: int, attrs: dict, ns: dict, as_compiled: bool) -> list[str]:
+    """No hook and no instance ``forward``; with as_compiled, the same hooks and ``forward`` as when compiled."""
+    if not as_compiled:
+        return [f"not m{k}[{name!r}]" for name in HOOK_ATTRS if name in attrs] + [f"'forward' not in m{k}"]
+    checks = []
+    for name in HOOK_ATTRS:
+        if name in attrs and attrs[name]:
+            ns[f"mh{k}_{name}"] = tuple(attrs[name].items())
+            checks.append(f"tuple(m{k}[{name!r}].items()) == mh{k}_{name}")
+        elif name in attrs:
+            checks.append(f"not m{k}[{name!r}]")
+    ns[f"mf{k}"] = attrs.get("forward")
+    checks.append(f"m{k}.get('forward') is mf{k}")
+    return checks
+
+
+def _setting_checks(k: int, attrs: dict, ns: dict) -> list[str]:
+    """The module's own attributes as compiled: settings equal and of the same type, other objects the same."""
+    import torch
+
+    own = internal_module_classes()
+    plain = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+    checks = []
     for j, (name, value) in enumerate(attrs.items()):
-        if name in own or guarded:
+        if name in own:
             continue
         same = all(isinstance(v, plain) for v in value) if isinstance(value, (tuple, list)) else isinstance(value, plain)
         ns[f"mv{k}_{j}"] = (type(value), list(value) if same and isinstance(value, list) else value)

@@ -16,7 +16,7 @@ from typing import Callable
 from ..base.errors import WarmedUp as _WarmedUp
 from . import internals, resources
 from .callcheck import CallCheck
-from .codegen import _barrier_index
+from .codegen import barrier_index
 from .effects import refused_dynamo_graph, refused_graph
 from .refused import Refused
 from .compiler import compiler_ready, direct_compile, inductor_after_tracing, backend_modules, submit_compile, program_waits
@@ -55,7 +55,7 @@ class ThreadCompile:
             args = tuple(args[k] for k in pos)
 
         if self._callcheck is None:  # the checks the compiled form runs before each call (flowvm/fused/callcheck.py)
-            calls = self.el.calls if self.generated.tail is None else self.el.calls[:_barrier_index(self.el.calls)]
+            calls = self.el.calls if self.generated.tail is None else self.el.calls[:barrier_index(self.el.calls)]
             self._callcheck = CallCheck(calls, args, self.settings.backend)
         else:
             self._callcheck.add(args)
