@@ -34,6 +34,11 @@ from .checks import aoti_available, holds_state, plain_graph, plain_tensor, sett
 from .compiler import _at_exit
 
 TIMEOUT = 900.0           # seconds; a compile running longer is stopped (and the step compiles on the thread)
+# A child at the idle priority gets no CPU while the machine is busy: one that got less than STARVE_SHARE of a
+# core over STARVE_SECONDS (where its CPU time can be read) is stopped, and the step compiles on the thread.
+STARVE_SECONDS = float(os.environ.get("FLOWVM_COMPILE_STARVE", "60"))
+STARVE_SHARE = 0.05
+POLL = 1.0
 EXIT_WAIT = 5.0           # seconds the program's end waits for the compiles' threads once their children are stopped
 PACKAGE = "step.pt2"
 LIBRARY = "step.so"        # the package's library alone, when that is all it needs (internals.aoti_library)
@@ -214,18 +219,49 @@ class Compile:
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                          pass_fds=() if fd is None else (fd,))
             _children.add(self.proc)
-        timed_out = False
         try:
-            out, err = self.proc.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            self.proc.kill()
-            out, err = self.proc.communicate()
-            err += f"\ngave up after {TIMEOUT:g} s".encode()
+            out, err, why = _wait(self.proc)
         finally:
             with _children_lock:
                 _children.discard(self.proc)
-        return out, err, self.proc.returncode, timed_out
+        if why is not None:
+            err += f"\n{why}".encode()
+        return out, err, self.proc.returncode, why is not None
+
+
+def _wait(proc: subprocess.Popen) -> tuple[bytes, bytes, str | None]:
+    """The child's output once it exits, or once it is stopped: after TIMEOUT, or when it starves (less than
+    STARVE_SHARE of a core over STARVE_SECONDS).  (stdout, stderr, why it was stopped or None)."""
+    start = window = time.monotonic()
+    used = cpu_seconds(proc.pid)
+    while True:
+        try:
+            out, err = proc.communicate(timeout=POLL)
+            return out, err, None
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        why = f"gave up after {TIMEOUT:g} s" if now - start >= TIMEOUT else None
+        if why is None and STARVE_SECONDS > 0 and now - window >= STARVE_SECONDS:
+            cpu = cpu_seconds(proc.pid)
+            if cpu is not None and used is not None and cpu - used < STARVE_SHARE * (now - window):
+                why = (f"the compile process got {cpu - used:.1f} s of CPU in {now - window:.0f} s (a busy machine); "
+                       f"the step compiles on the thread")
+            window, used = now, cpu
+        if why is not None:
+            proc.kill()
+            out, err = proc.communicate()
+            return out, err, why
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time a process has used (user and system), where /proc tells it; else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def stop(wait: float = EXIT_WAIT) -> None:

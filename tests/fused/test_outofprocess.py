@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -303,3 +304,37 @@ def test_a_process_forked_while_a_compile_runs_compiles_on_its_thread_instead(mo
     assert os.waitstatus_to_exitcode(status) == 0
     drv.run()  # the parent still waits for its own compile
     assert rt._job_running and rt.refused is None and not asked
+
+
+def test_a_child_that_gets_no_cpu_is_stopped_after_the_bound_and_one_that_works_is_not(monkeypatch):
+    monkeypatch.setattr(outofprocess, "STARVE_SECONDS", 2.0)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    out, err, why = outofprocess._wait(idle)
+    assert idle.returncode is not None and why is not None and "busy machine" in why and "compiles on the thread" in why
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass\n"
+                             "print('done')"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err, why = outofprocess._wait(busy)
+    assert why is None and busy.returncode == 0 and out.strip() == b"done"
+
+
+def test_on_a_machine_whose_every_core_is_busy_the_childs_compile_gives_way_to_the_thread(monkeypatch, asked):
+    monkeypatch.setattr(outofprocess, "STARVE_SECONDS", 5.0)
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        fast, reg = chain(10)
+        fast = fuse_torch(REPEAT(10 ** 9, fast.body), compile_after=0, payback=0)
+        drv = fast.start()
+        rt = fast.body.runtime()
+        deadline = time.monotonic() + 120
+        while rt.refused is None and time.monotonic() < deadline:
+            drv.run(max_steps=50)
+            time.sleep(0.2)
+        drv.run(max_steps=50)
+    finally:
+        for proc in spin:
+            proc.kill()
+            proc.wait()
+    assert rt.refused is not None and "busy machine" in rt.refused, rt.refused
+    assert asked and not outofprocess._children  # the thread's compile asked for next, no child left
+    assert torch.equal(reg["h"], torch.sigmoid(torch.tanh(torch.exp(torch.sin(reg["x"])))))
