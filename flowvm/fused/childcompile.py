@@ -172,10 +172,19 @@ def package(job: dict, g: Guarded, e: Effects, gr: Graphs, workdir: str) -> None
     if gr.backward is not None:
         _package(gr.backward, gr.backward_in, os.path.join(workdir, BACKWARD), job["options"])
     meta = {"index": e.index, "needs": e.needs, "reads": g.reads, "results": len(e.needs), "saved": gr.saved,
+            "draws": draws(gr.forward),
             "mutated": e.mutated, "backward_in": [[list(s), list(t)] for s, t, _ in gr.backward_in]
             if gr.backward is not None else None}
     with open(os.path.join(workdir, META), "w") as f:
         json.dump(meta, f)
+
+
+def draws(gm: Any) -> bool:
+    """Whether the graph draws random numbers (from the program's generator: ``fallback_random``)."""
+    import torch
+
+    return any(torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+               for node in gm.graph.nodes if node.op == "call_function")
 
 
 def distinct(tensors) -> tuple[list, list[int]]:

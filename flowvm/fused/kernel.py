@@ -36,6 +36,7 @@ class Kernel:
         self.results = meta["results"]
         self.needs = meta["needs"]
         self.mutated = meta["mutated"]
+        self.draws = meta.get("draws", True)
         self.expected = [(tuple(s), tuple(t)) for s, t in meta["backward_in"] or []]
         self.ready = p.ready
         if meta["reads"] is not None:  # and what the user's code read is as the child saw it
@@ -87,11 +88,17 @@ class Kernel:
             self.before = (state, [state[i].clone() for i in self.mutated], torch.get_rng_state())
         for fn in self.plan.pre:
             fn()
-        if self.backward is None:
-            first = len(self.mutated)
-            outs = self._forward(state + inputs)[first:first + self.results]
-        else:
-            outs = self.function.apply(*state, *inputs)
+        rng = torch.get_rng_state() if self.draws else None
+        try:
+            if self.backward is None:
+                first = len(self.mutated)
+                outs = self._forward(state + inputs)[first:first + self.results]
+            else:
+                outs = self.function.apply(*state, *inputs)
+        except Exception:  # the step runs again eagerly (Runtime._direct_failed): with the generator as it was
+            if rng is not None:
+                torch.set_rng_state(rng)
+            raise
         return tuple(outs[k] for k in self.index)
 
     def _restore(self) -> None:

@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from flowvm import CALL, REPEAT, SEQ, Registers
+from flowvm import CALL, REPEAT, SEQ, FusionWarning, Registers
 from flowvm.fused import kernel, outofprocess, stateful, threadcompile
 from flowvm.fused.refused import Refused
 from flowvm.passes.fuse_torch import fuse_torch
@@ -506,3 +506,44 @@ def test_a_step_left_to_the_thread_says_why(asked):
     rt = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED").runtime()
     assert rt.refused == "CALL logits = Sequential(x): ReLU has hooks"
     assert asked and rt.compiles == 0  # the thread's compile, asked for instead
+
+
+class DrawsThenRaises(EagerKernel):
+    """The package's own call (Kernel.__call__) over a forward that computes eagerly, drawing its dropout
+    masks; on its third call it draws and then raises, as a compiled call failing half-way would."""
+
+    calls = 0
+
+    def __init__(self, p, workdir):
+        super().__init__(p, workdir)
+        self.backward, self.draws = None, True
+
+    def forward(self, args):
+        DrawsThenRaises.calls += 1
+        out = self.plan.head(*args[-2:])
+        self.results, self.index = len(out), range(len(out))
+        if DrawsThenRaises.calls == 3:
+            raise RuntimeError("the compiled code failed")
+        return list(out)
+
+    __call__ = kernel.Kernel.__call__
+
+
+def test_a_package_that_draws_and_then_raises_leaves_the_generator_as_it_was_for_the_eager_rerun(monkeypatch,
+                                                                                                asked):
+    monkeypatch.setattr(outofprocess, "Compile", Immediate)
+    monkeypatch.setattr(kernel, "Kernel", DrawsThenRaises)
+    monkeypatch.setattr(DrawsThenRaises, "calls", 0)
+    net, reg = mlp(torch.nn.Dropout(0.3)), data()
+    ref = mlp(torch.nn.Dropout(0.3))
+    fast, _ = training(net, reg, 6)
+    torch.manual_seed(5)
+    with pytest.warns(FusionWarning, match="the compiled code failed"):
+        fast.run()
+    after = torch.rand(3)
+    rt = next(e for _, e in fast.walk() if type(e).__name__ == "FUSED").runtime()
+    assert DrawsThenRaises.calls == 3 and rt.state == "failed"
+    torch.manual_seed(5)
+    eager_training(ref, reg, 6)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), ref.parameters()))
+    assert torch.equal(after, torch.rand(3))  # each dropout mask drawn once
