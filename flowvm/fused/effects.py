@@ -24,6 +24,9 @@ SIGNED_ZERO_OPS = frozenset({"maximum", "minimum", "fmax", "fmin", "clamp", "cla
 
 SIGNED_ZERO_REASON = "inductor returns zeros of the other sign than eager (0.0 for -0.0) for ties and clamps to 0"
 
+MUL_ZERO_REASON = ("a product with an integer 0, which inductor folds to zeros (an infinity or NaN times 0 is NaN "
+                   "eagerly)")
+
 
 def _narrow_ints() -> tuple:
     import torch
@@ -47,6 +50,8 @@ def refused_node(node: Any) -> str | None:
         return f"{target}: a side effect (an assertion) that the compiled form may drop"
     if name in SIGNED_ZERO_OPS:
         return f"{target}: {SIGNED_ZERO_REASON}"
+    if name == "mul" and any(type(a) in (int, bool) and a == 0 for a in node.args):
+        return f"{target}: {MUL_ZERO_REASON}"
     if name in ("_to_copy", "convert_element_type", "to", "_to_dtype"):
         dtype = node.kwargs.get("dtype", node.args[1] if len(node.args) > 1 else None)
         src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
@@ -145,10 +150,23 @@ def refused_call(calls: Any) -> str | None:
 
 
 def refused_dynamo_graph(gm: Any) -> str | None:
-    """Why dynamo's graph (torch-level calls, from code of yours too) holds a side effect, or None."""
+    """Why dynamo's graph (torch-level calls, from code of yours too) holds a side effect or a product with an
+    integer 0 (folded before the aten graph is checked), or None."""
     for node in gm.graph.nodes:
         if node.op == "call_function":
             name = side_effect_name(node.target)
             if name is not None:
                 return f"{name}: a side effect (an assertion) that the compiled form may drop"
+        if node.op in ("call_function", "call_method") and _product_with_int_zero(node):
+            return f"{getattr(node.target, '__name__', node.target)}: {MUL_ZERO_REASON}"
     return None
+
+
+def _product_with_int_zero(node: Any) -> bool:
+    import operator
+
+    import torch
+
+    if node.target not in (operator.mul, operator.imul, torch.mul, torch.multiply, "mul", "mul_", "multiply"):
+        return False
+    return any(type(a) in (int, bool) and a == 0 for a in list(node.args) + list(node.kwargs.values()))

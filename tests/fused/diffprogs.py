@@ -184,6 +184,10 @@ def _int8(w: World, x, t, h):
     return [CALL(torch.mul, x, 100.0, store_to=t), CALL(torch.Tensor.to, t, torch.int8, store_to=h)]
 
 
+def _mul0(w: World, x, t, h):  # inductor folds x * 0 (an int zero) to zeros: infinities and NaN would vanish
+    return [CALL(torch.mul, x, 0, store_to=t), CALL(torch.add, t, 1.0, store_to=h)]
+
+
 # template -> (builder, the mutation kinds it is most sensitive to)
 TEMPLATES: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "roll": (_roll, ("list",)),
@@ -205,6 +209,7 @@ TEMPLATES: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "clamp": (_clamp, ("extreme",)),
     "fmax": (_fmax, ("extreme",)),
     "int8": (_int8, ("extreme",)),
+    "mul0": (_mul0, ("extreme",)),
 }
 
 PROCESS = ("dtype", "grad", "deterministic", "precision")
@@ -409,6 +414,15 @@ def run(built: Built, program: Any = None) -> list:
     return built.clock.records + error + [final]
 
 
+def bit_for_bit(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaNs at the same places, zeros of the same sign."""
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan = torch.isnan(a)
+    return (torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
+            and torch.equal(a[~nan].signbit(), b[~nan].signbit()))
+
+
 def differences(expected: list, got: list, exact: bool) -> list[str]:
     """Where two runs' records differ: dtypes, shapes and gradient flags exactly, values bit for bit
     (exact) or to float rounding."""
@@ -425,7 +439,7 @@ def differences(expected: list, got: list, exact: bool) -> list[str]:
             where = f"iteration {i}, h{k}"
             if a[:3] != b[:3]:
                 out.append(f"{where}: (dtype, shape, requires_grad) {b[:3]} instead of {a[:3]}")
-            elif exact and not torch.equal(a[3], b[3]):
+            elif exact and not bit_for_bit(a[3], b[3]):
                 out.append(f"{where}: not bit for bit, max abs diff {(a[3] - b[3]).abs().max().item():.3g}")
             elif not torch.allclose(a[3], b[3], rtol=1e-5, atol=1e-6, equal_nan=True):
                 diff = (a[3].double() - b[3].double()).nan_to_num(float("inf")).abs().max().item()

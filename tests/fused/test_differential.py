@@ -118,8 +118,8 @@ def wait_for_compiles(runtimes):
     return before
 
 
-CHILD_TEMPLATES = tuple(t for t in ("roll", "roll_kw", "ones", "cumsum", "matmul", "global", "dict", "hook", "int8")
-                        if not ONLY or t in ONLY) or ONLY
+CHILD_TEMPLATES = tuple(t for t in ("roll", "roll_kw", "ones", "cumsum", "matmul", "global", "dict", "hook", "int8",
+                                    "mul0") if not ONLY or t in ONLY) or ONLY
 
 
 def audited(test):
@@ -145,9 +145,15 @@ UNSEEN = [
     D.Spec(("assert_fn",), 4, ((2, "nan", True),)),  # an assertion in a function of the program's
     D.Spec(("raise",), 4, ((2, "index", D.SIZE + 5),)),  # an error after a draw and an in-place write
     D.Spec(("clamp", "int8"), 3, ((1, "extreme", True),)),  # signed zeros, infinities, int8 casts
+    D.Spec(("mul0",), 3, ((1, "extreme", True),)),  # infinities times an int zero
 ]
 
 
 @pytest.mark.parametrize("spec", UNSEEN, ids=str)
 def test_what_no_guard_of_the_trace_sees_runs_as_interpreted(spec):
     compare(spec, ON_THE_THREAD)
+
+
+def test_what_the_childs_compile_folds_runs_as_interpreted():
+    """AOTInductor folds ``x * 0`` to zeros where the thread's compile keeps it (an infinity times 0 is NaN)."""
+    compare(D.Spec(("mul0",), 5, ((2, "extreme", True),)), IN_A_CHILD, waits=wait_for_compiles)
