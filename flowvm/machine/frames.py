@@ -21,7 +21,7 @@ from ..program.kinds import KindTable
 from ..program.registers import Register
 from .slots import (ELEMENT, SEQ_POS, REPEAT_I, REPEAT_N, REPEAT_LAST, BUFFER_I, BUFFER_N, BUFFER_VALUES,
     LOOP_START_STEPS, LOOP_ITERATIONS, WHILE_PHASE, WHILE_LAST, WHILE_ITERATIONS, SWITCH_CHILD, WEAVE_ACTIVE,
-    WEAVE_SEGMENTS, WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS, WEAVE_DONE, WEAVE_ROTATE, SLOT_NAMES, walk,
+    WEAVE_SEGMENTS, WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS, WEAVE_DONE, WEAVE_ROTATE, walk,
     comment, COMMENT, marks, child_index, weave_pick, credit_weaves, rotate_weaves, pass_turn, take_turn,
     repeat_counted, seq_moved, repeat_seq_counted, seq_finished, seq_restarted, turn_used, set_credits,
     turn_passed_in_repeat, copy_frame, overwrite, set_element, seq_frame, seq_position, set_seq_position,

@@ -10,15 +10,11 @@ elements, outermost first; a WEAVE frame holds the frames of its paused children
 active child's frames sit on the stack above it.  Every other module reads frames through this one:
 ``walk`` (every frame of a run, paused ones included), ``child_index``, ``comment`` and the named slots.
 
-Layouts (slot 0 is always the element)::
-
-    SEQ     [el, pos]
-    REPEAT  [el, i, n, last]
-    BUFFER  [el, i, n, values]
-    LOOP    [el, steps_at_iteration_start, iterations]
-    WHILE   [el, phase (0: condition, 1: body), last, iterations]
-    SWITCH  [el, child_index]
-    WEAVE   [el, active, segments, finished, values, credits, n_finished, rotate_due]
+Each kind's layout (its slots' names, the slot of its running child, the check of a frame from outside a
+run) is declared once in flowvm/machine/layouts.py: SEQ ``[el, pos]``, REPEAT ``[el, i, n, last]``, BUFFER
+``[el, i, n, values]``, LOOP ``[el, steps_at_iteration_start, iterations]``, WHILE ``[el, phase (0:
+condition, 1: body), last, iterations]``, SWITCH ``[el, child_index]``, WEAVE ``[el, active, segments,
+finished, values, credits, n_finished, rotate_due]``.
 
 A move that failed twice appends a marker past these slots (see ``frames._failed_again``).
 
@@ -32,23 +28,24 @@ from typing import Any, Callable, Iterator
 
 from ..program.elements import BUFFER, LOOP, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element
 from ..program.kinds import KindTable
+from .layouts import LAYOUTS, layout_of
 
-# the named slots
+# the named slots, numbered as each kind's layout declares them (flowvm/machine/layouts.py)
 ELEMENT = 0  # of every frame
-SEQ_POS = 1
-REPEAT_I, REPEAT_N, REPEAT_LAST = 1, 2, 3
-BUFFER_I, BUFFER_N, BUFFER_VALUES = 1, 2, 3
-LOOP_START_STEPS, LOOP_ITERATIONS = 1, 2
-WHILE_PHASE, WHILE_LAST, WHILE_ITERATIONS = 1, 2, 3
-SWITCH_CHILD = 1
-WEAVE_ACTIVE, WEAVE_SEGMENTS, WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS, WEAVE_DONE, WEAVE_ROTATE = range(1, 8)
 
-# the names of each kind's slots (after the element, in order), as the layouts above name them: state files
-# save frames by these names, so that the order of the slots is not part of their format
-SLOT_NAMES = {SEQ: ("pos",), REPEAT: ("i", "n", "last"), BUFFER: ("i", "n", "values"),
-              LOOP: ("steps_at_iteration_start", "iterations"), WHILE: ("phase", "last", "iterations"),
-              SWITCH: ("child_index",),
-              WEAVE: ("active", "segments", "finished", "values", "credits", "n_finished", "rotate_due")}
+
+def _slot(kind: type, name: str) -> int:
+    return LAYOUTS[kind].slots.index(name) + 1
+
+
+SEQ_POS = _slot(SEQ, "pos")
+REPEAT_I, REPEAT_N, REPEAT_LAST = (_slot(REPEAT, name) for name in ("i", "n", "last"))
+BUFFER_I, BUFFER_N, BUFFER_VALUES = (_slot(BUFFER, name) for name in ("i", "n", "values"))
+LOOP_START_STEPS, LOOP_ITERATIONS = (_slot(LOOP, name) for name in ("steps_at_iteration_start", "iterations"))
+WHILE_PHASE, WHILE_LAST, WHILE_ITERATIONS = (_slot(WHILE, name) for name in ("phase", "last", "iterations"))
+SWITCH_CHILD = _slot(SWITCH, "child_index")
+WEAVE_ACTIVE, WEAVE_SEGMENTS, WEAVE_FINISHED, WEAVE_VALUES, WEAVE_CREDITS, WEAVE_DONE, WEAVE_ROTATE = (
+    _slot(WEAVE, name) for name in LAYOUTS[WEAVE].slots)
 
 
 def walk(chain: list, key: Callable[[Any], list] | None = None, path: tuple[int, ...] = (),
@@ -108,13 +105,9 @@ def marks(stack: list) -> dict:
 
 
 def child_index(fr: list) -> int:
-    """Index (in ``children``) of the child a started container frame is running."""
-    kind = fr[0].frame_kind
-    if kind is SEQ or kind is SWITCH or kind is WEAVE:
-        return fr[1]
-    if kind is WHILE:
-        return fr[1]
-    return 0
+    """Index (in ``children``) of the child a started container frame is running (its layout's ``child``)."""
+    layout = layout_of(fr[0])
+    return 0 if layout is None or layout.child is None else fr[layout.child]
 
 
 def weave_pick(fr: list, start: int) -> int:

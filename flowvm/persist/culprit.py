@@ -99,12 +99,14 @@ def places(driver) -> Iterator[tuple[str, Any]]:
     for name, value in dict(driver.registers).items():
         yield from values_in(f"registers/{name}", value, DEPTH, seen)
     state = driver.snapshot()
-    from ..machine.slots import SLOT_NAMES, walk
+    from ..machine.layouts import layout_of
+    from ..machine.slots import walk
 
     for path, chain, index, _ in walk(state.frames):
         frame = chain[index]
         el = frame[0]
-        names = next((SLOT_NAMES[k] for k in type(el).__mro__ if k in SLOT_NAMES), ())
+        layout = layout_of(el)
+        names = () if layout is None else layout.slots
         for j, value in enumerate(frame[1:]):
             slot = names[j] if j < len(names) else f"slot {j + 1}"
             yield from values_in(f"frame of {el.kind} at {format_path(path) or 'the root'} ({slot})", value, 3, seen)

@@ -44,9 +44,10 @@ from ..base.errors import CheckpointError, CopyError
 from ..base.sentinels import NOVALUE
 from ..base.version import __version__
 from ..machine.driver import RunState
-from ..machine.frames import SLOT_NAMES, WEAVE_SEGMENTS, child_index, marks
+from ..machine.frames import child_index, marks
+from ..machine.layouts import layout_of
 from ..program.analysis import all_registers
-from ..program.elements import WEAVE, Element
+from ..program.elements import Element
 from ..program.paths import format_path, get, parse_path, walk
 from ..program.printer import lines
 from .checkpoint import _key_bytes
@@ -171,18 +172,20 @@ def _register(enc: Encoder, name: str, value: Any) -> Any:
 
 
 def _frames(enc: Encoder, chain: list, base: tuple) -> list:
-    """Each frame of chain as {"path", "kind", "slots"}, its slots by the names frames.SLOT_NAMES gives them
+    """Each frame of chain as {"path", "kind", "slots"}, its slots by the names its kind's layout gives them
     (a kind without named slots, which a state file cannot load, keeps them as a list)."""
     out, path = [], base
     for k, fr in enumerate(chain):
         if k:
             path = path + (child_index(chain[k - 1]),)
         el, where = fr[0], f"frames/{format_path(path) or '<root>'}"
-        names = SLOT_NAMES.get(el.frame_kind, () if el.is_leaf else None)
+        layout = layout_of(el)
+        names = layout.slots if layout is not None else () if el.is_leaf else None
+        segments = None if layout is None else layout.segments
         slots: Any = {} if names is not None else []
         for j, x in enumerate(fr[1:]):
             name = str(j + 1) if names is None else names[j] if j < len(names) else FAILED
-            if el.frame_kind is WEAVE and j + 1 == WEAVE_SEGMENTS:
+            if j + 1 == segments:
                 x = [None if seg is None else _frames(enc, seg, path + (i,)) for i, seg in enumerate(x)]
             else:
                 x = enc.value(x, f"{where}/{name}")
@@ -299,8 +302,10 @@ def _unframes(dec: Decoder, nodes: list, program: Element, base: tuple, path: An
         if el.kind != node["kind"]:
             raise ValueError(f"frame at {node['path']!r} is a {node['kind']!r:.20}, the element a {el.kind}")
         fr = [el]
+        layout = layout_of(el)
+        segments = None if layout is None else layout.segments
         for j, slot in enumerate(_slot_list(node["slots"], el, node["path"]), 1):
-            if el.frame_kind is WEAVE and j == WEAVE_SEGMENTS:
+            if j == segments:
                 if type(slot) is not list:
                     raise ValueError(f"frame at {node['path']!r}: its segments are not a list")
                 fr.append([None if seg is None else _unframes(dec, seg, program, where + (i,), path, steps)
@@ -323,7 +328,8 @@ def _slot_list(slots: Any, el: Element, where: str) -> list:
         raise ValueError(f"frame at {where!r}: its slots are {type(slots).__name__}, expected an object")
     if not slots:
         return []
-    names = SLOT_NAMES.get(el.frame_kind, ())
+    layout = layout_of(el)
+    names = () if layout is None else layout.slots
     unknown = sorted(set(slots) - set(names) - {FAILED})
     if unknown:
         raise ValueError(f"frame at {where!r} of a {el.kind}: unknown slot {unknown[0]!r:.40} (a {el.kind} has "

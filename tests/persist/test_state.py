@@ -189,9 +189,9 @@ def test_a_file_is_read_by_safetensors_alone_and_its_tensors_are_the_registers(t
 
 def _by_number(chain: list) -> None:
     """chain (frames as a state file saves them) with its slots by number, as formats 1 and 2 saved them."""
-    from flowvm.machine.frames import SLOT_NAMES
+    from flowvm.machine.layouts import LAYOUTS
 
-    kinds = {cls.__name__: names for cls, names in SLOT_NAMES.items()}
+    kinds = {cls.__name__: layout.slots for cls, layout in LAYOUTS.items()}
     for fr in chain:
         slots = fr["slots"]
         listed = [slots[name] for name in kinds.get(fr["kind"], ()) if name in slots] + (
@@ -213,14 +213,14 @@ def _woven(seed: int):
 
 @pytest.mark.parametrize("seed", [3, 13, 14])
 def test_frames_are_saved_by_slot_name_and_files_with_slots_by_number_still_load(tmp_path, seed):
-    from flowvm.machine.frames import SLOT_NAMES
+    from flowvm.machine.layouts import LAYOUTS
 
     drv = _woven(seed).start()
     drv.run(max_steps=17)
     path = flowvm.save_state(drv, tmp_path / "named.safetensors")
     with safe_open(str(path), framework="np") as f:
         run = json.loads(f.metadata()["flowvm.run"])
-    kinds = {cls.__name__: names for cls, names in SLOT_NAMES.items()}
+    kinds = {cls.__name__: layout.slots for cls, layout in LAYOUTS.items()}
     frames = run["stack"]
     assert frames and frames[0]["kind"] == "WEAVE"
     for fr in frames:
