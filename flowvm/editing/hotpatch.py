@@ -41,8 +41,9 @@ from ..machine.driver import Driver
 from ..machine import frames as F
 from ..machine.frames import ELEMENT, WEAVE_FINISHED, WEAVE_SEGMENTS
 from ..machine.frames import walk as walk_frames
+from ..machine.layouts import layout_of
 from .edit import EditError, Match, NoFrames, carry_overrides, edit_tree
-from ..program.elements import WEAVE, Element, provide
+from ..program.elements import Element, provide
 from ..program.paths import Path, format_path, get, walk
 
 
@@ -198,8 +199,9 @@ class DriverFrames(NoFrames):
                                 f"(driver at step {self.drv.steps})", format_path(path))
             if len(f.data) > 1:
                 kind = old.frame_kind  # a frame's layout: its kind's (a subclass of a kind is that kind)
+                segments = getattr(layout_of(old), "segments", None)  # paused children's frames, one per child
                 if (type(el) is not type(old) if kind is None else el.frame_kind is not kind) \
-                        or (kind is WEAVE and len(el.elements) != len(f.data[WEAVE_SEGMENTS])):
+                        or (segments is not None and len(el.children) != len(f.data[segments])):
                     raise EditError(f"cannot patch: {_describe(old, path)} is running and would become "
                                     f"{_describe(el, path)}", format_path(path))
             F.set_element(f.data, el)
