@@ -26,12 +26,16 @@ class Layout:
     """A container kind's frame ``[el, slot 1, slot 2, ...]``: ``slots`` names slots 1, 2, ...; ``child`` is
     the slot holding the index (in ``children``) of the running child (None: child 0); ``segments`` the slot
     holding the frames of paused children; ``check(frame, children, steps)`` raises ValueError naming the
-    first slot out of its type or range."""
+    first slot out of its type or range; ``counter`` the slots of its iteration and its count of iterations
+    (a kind that runs its child a known number of times); ``ends`` False for a kind whose number of runs
+    of its children is not known in advance (LOOP, WHILE, WEAVE)."""
 
     slots: tuple[str, ...]
     check: Callable[[list, int, int], None]
     child: int | None = None
     segments: int | None = None
+    counter: tuple[int, int] | None = None
+    ends: bool = True
 
     @property
     def size(self) -> int:
@@ -92,13 +96,13 @@ def _weave(fr: list, n: int, steps: int) -> None:
 
 LAYOUTS: dict[type, Layout] = {
     SEQ: Layout(("pos",), _seq, child=1),
-    REPEAT: Layout(("i", "n", "last"), _repeat),
-    BUFFER: Layout(("i", "n", "values"), _buffer),
-    LOOP: Layout(("steps_at_iteration_start", "iterations"), _loop),
-    WHILE: Layout(("phase", "last", "iterations"), _while, child=1),
+    REPEAT: Layout(("i", "n", "last"), _repeat, counter=(1, 2)),
+    BUFFER: Layout(("i", "n", "values"), _buffer, counter=(1, 2)),
+    LOOP: Layout(("steps_at_iteration_start", "iterations"), _loop, ends=False),
+    WHILE: Layout(("phase", "last", "iterations"), _while, child=1, ends=False),
     SWITCH: Layout(("child_index",), _switch, child=1),
     WEAVE: Layout(("active", "segments", "finished", "values", "credits", "n_finished", "rotate_due"), _weave,
-                  child=1, segments=2),
+                  child=1, segments=2, ends=False),
 }
 
 

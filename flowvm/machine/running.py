@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 
 from .driver import DRIVERS, Driver
-from ..program.elements import BUFFER, LOOP, REPEAT, WEAVE, WHILE, Element
-from .frames import BUFFER_I, BUFFER_N, ELEMENT, REPEAT_I, REPEAT_N
+from ..program.elements import Element
+from .frames import ELEMENT
+from .layouts import layout_of
 from .frames import walk as walk_frames
 from ..program.paths import format_path, walk
 
@@ -73,15 +74,12 @@ def remaining_runs() -> int | None:
         return None
     left, per = 1, 1  # runs left within the current iteration of a level; runs per iteration of it
     for fr in reversed(drivers[0].frames[:-1]):  # the leaf's ancestors, innermost first
-        kind = fr[ELEMENT].frame_kind  # (a subclass of a kind is that kind)
-        if kind is LOOP or kind is WHILE or kind is WEAVE:
+        layout = layout_of(fr[ELEMENT])  # (a subclass of a kind is that kind)
+        if layout is not None and not layout.ends:
             return None
-        if kind is REPEAT and len(fr) > 1:
-            i, n = fr[REPEAT_I], fr[REPEAT_N]
-        elif kind is BUFFER and len(fr) > 1:
-            i, n = fr[BUFFER_I], fr[BUFFER_N]
-        else:
+        if layout is None or layout.counter is None or len(fr) == 1:
             continue
+        i, n = fr[layout.counter[0]], fr[layout.counter[1]]
         left += max(n - i - 1, 0) * per
         per *= n
     return left
