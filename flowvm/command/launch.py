@@ -181,7 +181,7 @@ def _launch_ranks(args, nproc: int) -> int:
     with tempfile.TemporaryDirectory(prefix="flowvm-launch-") as box:
         os.environ[STOPPED_ENV] = box  # the ranks' environment: where they say they stopped on purpose
         try:
-            code = _run_agent(args, cfg)
+            code = _run_agent(args, cfg, nproc)
         finally:
             del os.environ[STOPPED_ENV]
         stopped = [int(p.read_text()) for p in Path(box).glob("stopped-*")]
@@ -191,7 +191,7 @@ def _launch_ranks(args, nproc: int) -> int:
     return max(stopped) if code == 0 and stopped else code
 
 
-def _run_agent(args, cfg) -> int:
+def _run_agent(args, cfg, nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     if args.nnodes > 1:
@@ -209,6 +209,8 @@ def _run_agent(args, cfg) -> int:
     except RankError as err:
         if err.stopped() is not None:  # the ranks agreed to stop on a signal, saved, and rank 0 said so
             return 128 + err.stopped()
+        if _all_stopped_on_purpose(nproc):  # and then one died in its teardown (its group's threads): the
+            return 0  # status is the one they agreed on (_launch_ranks)
         if err.traceback:  # the error, with where it was raised, then which rank raised it
             print(err.traceback.rstrip(), file=sys.stderr)
             print(f"flowvm: rank {err.rank} failed (exit code {err.exitcode}); every rank is stopped",
@@ -245,6 +247,12 @@ def _as_rank(args, body) -> int:
     finally:
         gc.collect()  # the run's DDP modules hold the group: gone before it ends, not at the interpreter's exit
         group.shutdown()
+
+
+def _all_stopped_on_purpose(nproc: int) -> bool:
+    """Whether every rank of this host said it stopped on purpose (``_stopped_on_purpose``)."""
+    box = os.environ.get(STOPPED_ENV)
+    return bool(box) and len(list(Path(box).glob("stopped-*"))) >= nproc
 
 
 def _stopped_on_purpose(status: int) -> int:

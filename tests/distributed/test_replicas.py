@@ -138,3 +138,17 @@ def test_a_coordinated_checkpoint_lands_on_a_step_that_resumes_exactly(tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     weights = [line for line in straight.stdout.splitlines() if line.startswith("weights ")]
     assert weights and weights == [line for line in resumed.stdout.splitlines() if line.startswith("weights ")]
+
+
+def test_a_rank_dying_in_its_teardown_after_the_refusal_leaves_the_refusal_and_its_status(tmp_path):
+    # every rank stops on the refusal (status 2) and says so; rank 1 then aborts at its exit, as a group's
+    # thread can: the run's status and its one line stay the refusal's
+    dying = tmp_path / "dying.py"
+    dying.write_text(PROG.read_text() + "\n\nimport atexit, os\nif os.environ.get('RANK') == '1':\n"
+                     "    atexit.register(os.abort)\n")
+    ckpt = tmp_path / "run"
+    done = flowvm("run", str(dying), "--nproc", "2", "--set", "momentum=0.9", "--checkpoint", str(ckpt),
+                  "--every", "4", "--sync-every", "50")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(refusals(done)) == 1 and "rank 1 failed" not in done.stderr, done.stderr[-3000:]
+    assert not (ckpt / "manifest.json").exists()
