@@ -209,8 +209,10 @@ def _run_agent(args, cfg, nproc: int) -> int:
     except RankError as err:
         if err.stopped() is not None:  # the ranks agreed to stop on a signal, saved, and rank 0 said so
             return 128 + err.stopped()
-        if _all_stopped_on_purpose(nproc):  # and then one died in its teardown (its group's threads): the
-            return 0  # status is the one they agreed on (_launch_ranks)
+        if _all_ended(nproc):  # and then one died in its teardown (its group's threads, an atexit hook):
+            print(f"flowvm: rank {err.rank} died in its teardown (exit code {err.exitcode}) after every rank "
+                  f"had ended; the run's status stands", file=sys.stderr)
+            return 0  # the status is the one they ended with (_launch_ranks)
         if err.traceback:  # the error, with where it was raised, then which rank raised it
             print(err.traceback.rstrip(), file=sys.stderr)
             print(f"flowvm: rank {err.rank} failed (exit code {err.exitcode}); every rank is stopped",
@@ -228,11 +230,15 @@ def _as_rank(args, body) -> int:
     if saves_to is not None:
         hold_as_rank(saves_to)  # while it lives, a new run saving there is refused, its launcher gone or not
     group.init(args.dist_timeout)
+    ended = False
     try:
-        return _stopped_on_purpose(body(args))
+        status = body(args)
+        ended = True
+        return _stopped_on_purpose(status)
     except (group.AllRanksError, UsageError) as err:  # every rank alike, at one step: said once a host, status 2
         if group.local_rank() == 0:
             print(f"flowvm: {err}", file=sys.stderr, flush=True)
+        ended = True
         return _stopped_on_purpose(2)
     except SystemExit as err:
         if group.rank() != 0:  # the same refusal on every rank: said once
@@ -246,13 +252,15 @@ def _as_rank(args, body) -> int:
         raise
     finally:
         gc.collect()  # the run's DDP modules hold the group: gone before it ends, not at the interpreter's exit
-        group.shutdown()
+        group.shutdown(settle=ended)
 
 
-def _all_stopped_on_purpose(nproc: int) -> bool:
-    """Whether every rank of this host said it stopped on purpose (``_stopped_on_purpose``)."""
+def _all_ended(nproc: int) -> bool:
+    """Whether every rank of this host said it finished the run or stopped on purpose
+    (``_stopped_on_purpose``): what it does after that (the process group's teardown) is no part of the run."""
     box = os.environ.get(STOPPED_ENV)
-    return bool(box) and len(list(Path(box).glob("stopped-*"))) >= nproc
+    said = [p for p in Path(box).iterdir() if p.name.startswith(("stopped-", "finished-"))] if box else []
+    return len(said) >= nproc
 
 
 def _stopped_on_purpose(status: int) -> int:
