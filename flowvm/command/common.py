@@ -26,8 +26,17 @@ KEY_ENV = "FLOWVM_CHECKPOINT_KEY"
 def check_output(path: str | None) -> None:
     from ..programs import MODEL_SUFFIXES
 
-    if path is not None and Path(path).suffix.lower() not in MODEL_SUFFIXES:
+    if path is None:
+        return
+    if Path(path).suffix.lower() not in MODEL_SUFFIXES:
         raise UsageError(f"--output {path}: give a file ending in {', '.join(MODEL_SUFFIXES)}")
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise UsageError(f"--output {path}: its folder {folder} does not exist")
+    if Path(path).is_dir():
+        raise UsageError(f"--output {path}: a folder, not a file")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--output {path}: its folder {folder} cannot be written")
 
 
 def saving_as_recorded(args, meta: dict) -> dict:

@@ -16,6 +16,7 @@ A rank restarted by the agent finds the checkpoint its run saved (same run id) a
 
 from __future__ import annotations
 
+import atexit
 import gc
 import math
 import socket
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from ..base.errors import CheckpointError, UsageError
 from ..base.workers import die_with_parent
@@ -219,26 +221,42 @@ def _run_agent(args, cfg, nproc: int) -> int:
                   file=sys.stderr)
         else:
             print(f"flowvm: {err}; every rank is stopped", file=sys.stderr)
-        return 1
+        return 2 if err.kind == "hung" else 1  # a hang is a fault of the run's own (a stopped process, a
+        # program that never reaches a collective), said in one line; the rest are failures
     return 0
 
 
 # ------------------------------------------------------------------ a rank
-def _as_rank(args, body) -> int:
+def _as_rank(args, body) -> NoReturn:
+    """Run ``body`` as a rank of the launcher's group; a rank that ends with a status (its run done, stopped or
+    refused, its error recorded for the launcher) leaves at once (``_leave``)."""
+    _leave(_rank_status(args, body))
+
+
+def _leave(status: int) -> NoReturn:
+    """End a rank whose run has ended: the atexit hooks run and the streams are flushed, then the process
+    exits without the interpreter's finalization, where the threads torch's process group leaves behind can
+    abort the process ("terminate called without an active exception") after the run's work is done."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def _rank_status(args, body) -> int:
     die_with_parent(os.getppid())  # a rank never outlives the launcher that started it (SIGKILL'd too)
     saves_to = args.checkpoint if args.command == "run" else (args.checkpoint or args.path)
     if saves_to is not None:
         hold_as_rank(saves_to)  # while it lives, a new run saving there is refused, its launcher gone or not
     group.init(args.dist_timeout)
-    ended = False
     try:
-        status = body(args)
-        ended = True
-        return _stopped_on_purpose(status)
+        return _stopped_on_purpose(body(args))
     except (group.AllRanksError, UsageError) as err:  # every rank alike, at one step: said once a host, status 2
         if group.local_rank() == 0:
             print(f"flowvm: {err}", file=sys.stderr, flush=True)
-        ended = True
         return _stopped_on_purpose(2)
     except SystemExit as err:
         if group.rank() != 0:  # the same refusal on every rank: said once
@@ -252,7 +270,7 @@ def _as_rank(args, body) -> int:
         raise
     finally:
         gc.collect()  # the run's DDP modules hold the group: gone before it ends, not at the interpreter's exit
-        group.shutdown(settle=ended)
+        group.shutdown()
 
 
 def _all_ended(nproc: int) -> bool:

@@ -113,19 +113,11 @@ def _store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"flowvm/start-{attempt}/", store)
 
 
-def shutdown(settle: bool = False) -> None:
-    """End the default process group, if one was started.  ``settle``: every rank ended alike and calls this
-    too; they first wait for each other, so that none closes its connections while a peer's gloo threads
-    still use them (a rank aborting in the teardown).  A peer already gone is no error here."""
+def shutdown() -> None:
+    """End the default process group, if one was started."""
     dist = _dist()
-    if dist is None:
-        return
-    if settle:
-        try:
-            barrier()
-        except Exception:
-            pass
-    dist.destroy_process_group()
+    if dist is not None:
+        dist.destroy_process_group()
 
 
 def _device():

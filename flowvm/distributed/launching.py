@@ -46,11 +46,14 @@ class Finished:
 @stable("flowvm.distributed")
 class RankError(FlowError):
     """A rank of a data-parallel run failed: ``rank`` is its number, ``exitcode`` its exit status (a negative
-    signal number when killed), ``message`` its error and ``traceback`` where it was raised (when known)."""
+    signal number when killed), ``message`` its error, ``traceback`` where it was raised (when known) and
+    ``kind`` how it failed: "raised", "killed", "hung" (it never joined a collective the others waited for)
+    or "group" (a collective failed)."""
 
-    def __init__(self, rank: int, exitcode: int, message: str, traceback: str = ""):
+    def __init__(self, rank: int, exitcode: int, message: str, traceback: str = "", kind: str = "raised"):
         super().__init__(f"rank {rank} failed (exit code {exitcode}): {message}")
         self.rank, self.exitcode, self.message, self.traceback = rank, exitcode, message, traceback
+        self.kind = kind
         self.exitcodes = {rank: exitcode}  # of every rank that failed
 
     def stopped(self) -> int | None:
@@ -178,7 +181,7 @@ def rank_failure(failed) -> RankError:
         how = " with SIGKILL (it did not end on SIGTERM: stopped with SIGSTOP?)" if failure.exitcode == -9 else ""
         message = (f"hung: it never joined a collective, and rank {waited}'s failed waiting for it "
                    f"({_message(failures[waited]).splitlines()[0]}); the agent stopped it{how}")
-    err = RankError(rank, failure.exitcode, message, traceback)
+    err = RankError(rank, failure.exitcode, message, traceback, kind)
     err.exitcodes = {r: f.exitcode for r, f in failures.items()}
     return err
 

@@ -180,8 +180,8 @@ class Driver(Engine, RunStateAccess):
                     await idle.wait_async(self, deadline)
                 else:
                     await asyncio.sleep(0)
-            except asyncio.CancelledError:  # left on a step a copy resumes from exactly (run_to_copyable)
-                self.run_to_copyable()
+            except asyncio.CancelledError:  # left on a step a copy resumes from exactly (said when it waited)
+                self.settle_cancelled()
                 raise
 
     def _drive(self, limit, deadline: float | None, idle: "_Idle | None", block: bool) -> Any:

@@ -194,6 +194,26 @@ class RunStateAccess:
             problem = self.copyable()
         return problem
 
+    def settle_cancelled(self) -> None:
+        """A cancelled ``arun()``: step on to a step a copy resumes from exactly (``run_to_copyable``), and say
+        so in a CopyWarning when it had to (how many steps, how long) or could not."""
+        import warnings
+        from time import monotonic
+
+        from ..base.errors import CopyWarning
+
+        start, t0 = self.steps, monotonic()
+        problem = self.run_to_copyable()
+        took, waited = monotonic() - t0, self.steps - start
+        if problem is not None:
+            warnings.warn(f"arun() cancelled at step {self.steps}: a copy of the run would not resume exactly "
+                          f"after {waited} more steps ({took:.1f} s): {problem}", CopyWarning, stacklevel=3)
+        elif waited:
+            warnings.warn(f"arun() cancelled at step {start} stopped at step {self.steps}: a register held an "
+                          f"autograd graph a backward() still needed, and a copy resumes exactly only without "
+                          f"one (waited {waited} step{'s' if waited != 1 else ''}, {took:.2f} s)", CopyWarning,
+                          stacklevel=3)
+
     def copy_environment(self) -> dict:
         """What a copy of the run made now resumes with: the global random states and the settings of this
         moment (or those a copy that has not stepped yet still stands for)."""

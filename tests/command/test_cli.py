@@ -512,6 +512,19 @@ def test_an_output_the_program_cannot_give_is_refused_before_the_first_step(tmp_
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("where, words", [("missing/m.npz", "its folder {tmp}/missing does not exist"),
+                                          ("a.npz", "a folder, not a file")])
+def test_an_output_that_cannot_be_written_is_refused_before_the_first_step(tmp_path, where, words):
+    (tmp_path / "a.npz").mkdir()
+    start = time.monotonic()
+    out = flowvm_cmd("run", "pca", "--output", tmp_path / where, check=False)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0] == f"flowvm: --output {tmp_path / where}: {words.format(tmp=tmp_path)}", out.stderr
+    assert time.monotonic() - start < 60  # refused at once: pca's full run is not waited for
+    assert "finished" not in out.stdout
+
+
 def test_a_programs_error_shows_its_own_frames_and_where_it_happened(tmp_path):
     (tmp_path / "boom.py").write_text(textwrap.dedent('''\
         from flowvm import CALL, REPEAT, SEQ, Registers

@@ -232,3 +232,27 @@ def test_a_rank_stopped_with_sigstop_is_named_hung_not_killed():
     killed = {0: failure(1, "RuntimeError: Connection closed by peer", "group", 2.0),
               1: failure(-signal.SIGKILL, at=1.0)}
     assert culprit(killed) == (1, "killed")
+
+
+def test_a_rank_stopped_with_sigstop_from_outside_is_one_line_status_2_and_the_run_resumes(tmp_path):
+    import signal
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "flowvm", "run", str(PROG), "--nproc", "2", *BASE,
+                             "--set", "epochs=400", "--checkpoint", str(run), "--every", "8", "--dist-timeout", "3",
+                             "--progress", "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run / "manifest.json").exists():  # the ranks run and have saved once
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if c.environ().get("RANK") == "1"]
+    assert len(ranks) == 1
+    ranks[0].send_signal(signal.SIGSTOP)  # rank 1 never joins another collective, nor ends on SIGTERM
+    _, err = proc.communicate(timeout=180)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("flowvm: rank 1 failed (exit code -9): hung: it never joined "
+                                                   "a collective, and rank 0's failed waiting for it"), err[-3000:]
+    no_rank_left()
+    resumed = flowvm("resume", run, "--max-steps", "4")  # the last complete checkpoint is kept and resumes
+    assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -177,8 +177,11 @@ def test_a_cancelled_arun_stops_on_a_step_the_run_resumes_from_exactly(tmp_path)
         await asyncio.sleep(0)
         assert drv.steps == 2 and drv.copyable() is not None
         task.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(asyncio.CancelledError), pytest.warns(flowvm.CopyWarning) as said:
             await task
+        assert len(said) == 1 and str(said[0].message).startswith(
+            "arun() cancelled at step 2 stopped at step 3: a register held an autograd graph a backward() still "
+            "needed, and a copy resumes exactly only without one (waited 1 step, "), str(said[0].message)
 
     asyncio.run(cancel_after_the_forward_pass())
     assert drv.steps == 3 and drv.copyable() is None  # the backward ran before the task ended
