@@ -16,14 +16,12 @@ A rank restarted by the agent finds the checkpoint its run saved (same run id) a
 
 from __future__ import annotations
 
-import atexit
 import gc
 import math
 import socket
 import os
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -40,9 +38,7 @@ from .history import History
 from .runner import DEFAULT_EVERY_SECONDS, shown
 from .targets import recorded
 from . import outputs
-
-
-STOPPED_ENV = "FLOWVM_STOPPED_DIR"
+from .rankends import all_ended, leave, tell, told
 
 
 def add_options(parser) -> None:
@@ -180,14 +176,9 @@ def _launch_ranks(args, nproc: int) -> int:
     except ValueError as err:
         raise UsageError(f"{err}") from None
     args.stop.restore()  # the agent takes SIGINT/SIGTERM over and passes them to the ranks
-    with tempfile.TemporaryDirectory(prefix="flowvm-launch-") as box:
-        os.environ[STOPPED_ENV] = box  # the ranks' environment: where they say they stopped on purpose
-        try:
-            code = _run_agent(args, cfg, nproc)
-        finally:
-            del os.environ[STOPPED_ENV]
-        stopped = [int(p.read_text()) for p in Path(box).glob("stopped-*")]
-        finished = len(list(Path(box).glob("finished-*")))
+    with told() as ends:  # the ranks say there how they ended
+        code = _run_agent(args, cfg, nproc)
+        stopped, finished = ends.stopped, ends.finished
     if code >= 128 and finished == nproc and not stopped:  # a signal after every rank had finished the run
         return 0
     return max(stopped) if code == 0 and stopped else code
@@ -211,7 +202,7 @@ def _run_agent(args, cfg, nproc: int) -> int:
     except RankError as err:
         if err.stopped() is not None:  # the ranks agreed to stop on a signal, saved, and rank 0 said so
             return 128 + err.stopped()
-        if _all_ended(nproc):  # and then one died in its teardown (its group's threads, an atexit hook):
+        if all_ended(nproc):  # and then one died in its teardown (its group's threads, an atexit hook):
             print(f"flowvm: rank {err.rank} died in its teardown (exit code {err.exitcode}) after every rank "
                   f"had ended; the run's status stands", file=sys.stderr)
             return 0  # the status is the one they ended with (_launch_ranks)
@@ -229,21 +220,8 @@ def _run_agent(args, cfg, nproc: int) -> int:
 # ------------------------------------------------------------------ a rank
 def _as_rank(args, body) -> NoReturn:
     """Run ``body`` as a rank of the launcher's group; a rank that ends with a status (its run done, stopped or
-    refused, its error recorded for the launcher) leaves at once (``_leave``)."""
-    _leave(_rank_status(args, body))
-
-
-def _leave(status: int) -> NoReturn:
-    """End a rank whose run has ended: the atexit hooks run and the streams are flushed, then the process
-    exits without the interpreter's finalization, where the threads torch's process group leaves behind can
-    abort the process ("terminate called without an active exception") after the run's work is done."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(status)
+    refused, its error recorded for the launcher) leaves at once (``rankends.leave``)."""
+    leave(_rank_status(args, body))
 
 
 def _rank_status(args, body) -> int:
@@ -253,11 +231,11 @@ def _rank_status(args, body) -> int:
         hold_as_rank(saves_to)  # while it lives, a new run saving there is refused, its launcher gone or not
     group.init(args.dist_timeout)
     try:
-        return _stopped_on_purpose(body(args))
+        return tell(body(args))
     except (group.AllRanksError, UsageError) as err:  # every rank alike, at one step: said once a host, status 2
         if group.local_rank() == 0:
             print(f"flowvm: {err}", file=sys.stderr, flush=True)
-        return _stopped_on_purpose(2)
+        return tell(2)
     except SystemExit as err:
         if group.rank() != 0:  # the same refusal on every rank: said once
             raise SystemExit(2 if isinstance(err.code, str) else err.code) from None
@@ -271,28 +249,6 @@ def _rank_status(args, body) -> int:
     finally:
         gc.collect()  # the run's DDP modules hold the group: gone before it ends, not at the interpreter's exit
         group.shutdown()
-
-
-def _all_ended(nproc: int) -> bool:
-    """Whether every rank of this host said it finished the run or stopped on purpose
-    (``_stopped_on_purpose``): what it does after that (the process group's teardown) is no part of the run."""
-    box = os.environ.get(STOPPED_ENV)
-    said = [p for p in Path(box).iterdir() if p.name.startswith(("stopped-", "finished-"))] if box else []
-    return len(said) >= nproc
-
-
-def _stopped_on_purpose(status: int) -> int:
-    """A rank that stopped on a signal, saved (the ranks agreed): under flowvm's launcher it tells the
-    launcher so and ends with 0, so that the agent does not take the stop for a failure to restart after
-    (``--max-restarts``); under another launcher (torchrun) it ends with its status."""
-    box = os.environ.get(STOPPED_ENV)
-    if not box or not os.path.isdir(box):
-        return status
-    if not status:  # finished: a signal reaching the launcher after this is no stop of the run
-        Path(box, f"finished-{group.local_rank()}").write_text("0")
-        return 0
-    Path(box, f"stopped-{group.local_rank()}").write_text(str(status))
-    return 0
 
 
 def _meta(args, module, threads, location, values: dict) -> dict:
