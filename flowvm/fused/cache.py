@@ -206,7 +206,8 @@ def note(k: str, decision: dict) -> None:
             json.dump(decision, f)
         os.replace(tmp, os.path.join(path, DECISION))
         # the manifest names the decision's digest: a decision it does not name is none (``decision``)
-        cachetrust.write_manifest(path, k, manifest["files"], cachetrust.digest(os.path.join(path, DECISION)))
+        cachetrust.write_manifest(path, k, manifest["files"], cachetrust.digest(os.path.join(path, DECISION)),
+                                  manifest.get("stamps"))
     except OSError:
         pass
 
@@ -247,9 +248,10 @@ def store(k: str, workdir: str, names: list[str]) -> str | None:
                 return None
         tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=where)
         try:
-            files = {name: cachetrust.copy_with_digest(os.path.join(workdir, name), os.path.join(tmp, name))
-                     for name in names}
-            cachetrust.write_manifest(tmp, k, files)
+            copies = {name: cachetrust.copy_with_digest(os.path.join(workdir, name), os.path.join(tmp, name))
+                      for name in names}
+            cachetrust.write_manifest(tmp, k, {name: d for name, (d, _) in copies.items()},
+                                      stamps={name: st for name, (_, st) in copies.items()})
             os.rename(tmp, final)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)

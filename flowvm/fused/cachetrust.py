@@ -117,9 +117,9 @@ def digest(path: str) -> str:
         return h.hexdigest()
 
 
-def copy_with_digest(src: str, dst: str) -> str:
+def copy_with_digest(src: str, dst: str) -> tuple[str, list[int]]:
     """Copy the file src to dst (a new file, readable and writable by this user alone); the SHA-256 of the
-    bytes written."""
+    bytes written, and the copy's ``stamp`` once written."""
     h = hashlib.sha256()
     with open(src, "rb") as f, open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
         while True:
@@ -128,14 +128,34 @@ def copy_with_digest(src: str, dst: str) -> str:
                 break
             h.update(chunk)
             out.write(chunk)
-    return h.hexdigest()
+        out.flush()
+        return h.hexdigest(), stamp(os.fstat(out.fileno()))
 
 
-def write_manifest(folder: str, key: str, files: dict[str, str], decision: str | None = None) -> None:
-    """Write the manifest of the entry in folder (atomically: a temporary file renamed over it)."""
+def stamp(st: os.stat_result) -> list[int]:
+    """What changes whenever a file's bytes change, or the file is swapped for another: its device and inode,
+    its size, and its modification and status-change times (the kernel sets the last at every write, rename
+    into place or metadata change; no user can set it back)."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _unchanged(path: str, want: list[int] | None) -> bool:
+    """Whether the regular file at path is, by its ``stamp``, the very file whose digest was taken."""
+    if want is None:
+        return False
+    st = os.lstat(path)
+    return stat.S_ISREG(st.st_mode) and stamp(st) == want
+
+
+def write_manifest(folder: str, key: str, files: dict[str, str], decision: str | None = None,
+                   stamps: dict[str, list[int]] | None = None) -> None:
+    """Write the manifest of the entry in folder (atomically: a temporary file renamed over it); ``stamps``:
+    each file's ``stamp`` when its digest was taken."""
     record = {"format": MANIFEST_FORMAT, "key": key, "files": dict(sorted(files.items()))}
     if decision is not None:
         record["decision"] = decision
+    if stamps:
+        record["stamps"] = stamps
     tmp = os.path.join(folder, f".tmp-{MANIFEST}-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -161,12 +181,24 @@ def read_manifest(folder: str, key: str) -> dict | None:
     if not isinstance(got, dict) or got.get("format") != MANIFEST_FORMAT or got.get("key") != key:
         return None
     files = got.get("files")
-    if not isinstance(files, dict) or not files or not all(
-            isinstance(n, str) and _plain_name(n) and isinstance(d, str) and len(d) == 64 for n, d in files.items()):
+    if not _digests(files) or not _stamps(got.get("stamps", {}), files):
         return None
     if "decision" in got and not isinstance(got["decision"], str):
         return None
     return got
+
+
+def _digests(files) -> bool:
+    """Whether a manifest's files are a non-empty {plain name: SHA-256 in hex}."""
+    return isinstance(files, dict) and bool(files) and all(
+        isinstance(n, str) and _plain_name(n) and isinstance(d, str) and len(d) == 64 for n, d in files.items())
+
+
+def _stamps(stamps, files: dict) -> bool:
+    """Whether a manifest's stamps are {a name it lists: five integers} (``stamp``)."""
+    return isinstance(stamps, dict) and all(
+        n in files and isinstance(v, list) and len(v) == 5 and all(type(i) is int for i in v)
+        for n, v in stamps.items())
 
 
 def _plain_name(name: str) -> bool:
@@ -184,9 +216,13 @@ def check(folder: str, key: str, names: list[str], extra: set[str]) -> str | Non
     for name in names:
         if name not in files and name != MANIFEST and name not in extra and not name.startswith("."):
             return f"a file its manifest does not list ({name})"
+    stamps = manifest.get("stamps", {})
     for name, want in files.items():
+        path = os.path.join(folder, name)
         try:
-            got = digest(os.path.join(folder, name))
+            if _unchanged(path, stamps.get(name)):  # the file hashed when it was stored, untouched since
+                continue
+            got = digest(path)
         except OSError:
             return f"{name} is missing or unreadable"
         if got != want:

@@ -194,6 +194,44 @@ def test_flipped_bits_in_a_library_are_found_before_it_loads_and_the_entry_is_ev
     assert (where / keys["B"]).exists()
 
 
+def _hashed(monkeypatch) -> list[str]:
+    """The files cachetrust hashes from now on."""
+    hashed, real = [], cachetrust.digest
+    monkeypatch.setattr(cachetrust, "digest", lambda path: hashed.append(os.path.basename(path)) or real(path))
+    return hashed
+
+
+def test_an_entry_untouched_since_it_was_stored_is_checked_by_its_stamps_without_hashing(filled, monkeypatch):
+    where, keys = filled
+    monkeypatch.setenv("FLOWVM_CACHE_DIR", str(where))
+    hashed = _hashed(monkeypatch)
+    assert cache.lookup(keys["A"]) is not None and hashed == []
+
+
+def test_a_library_rewritten_in_place_with_its_times_set_back_is_hashed_and_refused(copy, monkeypatch):
+    """The stamps hold a file's inode, size and times: a write in place keeps the inode and the size, and the
+    modification time can be set back, but not the status-change time: the library is hashed, and fails."""
+    where, keys = copy
+    entry, library = where / keys["A"], where / keys["A"] / outofprocess.LIBRARY
+    files = json.loads((entry / cache.MANIFEST).read_text())["files"]
+    cachetrust.write_manifest(str(entry), keys["A"], files, stamps={outofprocess.LIBRARY: cachetrust.stamp(
+        os.lstat(library))})  # stamps of this copy (a copied entry's are another file's: it is hashed)
+    monkeypatch.setenv("FLOWVM_CACHE_DIR", str(where))
+    hashed = _hashed(monkeypatch)
+    assert cache.lookup(keys["A"]) is not None and hashed == []
+    before = os.lstat(library)
+    with open(library, "r+b") as f:  # one byte flipped in place: the same inode, the same size
+        f.seek(before.st_size // 2)
+        byte = f.read(1)
+        f.seek(before.st_size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(library, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.lstat(library)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert cache.lookup(keys["A"]) is None and hashed == [outofprocess.LIBRARY]  # hashed, failed, evicted
+    assert not entry.exists()
+
+
 def test_a_library_with_a_constructor_in_place_of_a_package_is_never_loaded(copy, libraries, tmp_path):
     where, keys = copy
     marker = tmp_path / "constructor-ran"
