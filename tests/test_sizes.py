@@ -19,7 +19,10 @@ KEPT: dict[str, str] = {
         "split into a package with the names kept (flowvm.testing's public surface)",
     "flowvm/testing.py:check_resume":
         "one pass over cuts, copy paths and environments, its options checked inline; to be split with the module",
-    "flowvm/machine/engine.py:Engine._prepare":
+    "flowvm/machine/driver.py":
+        "the Driver in one module: its loops (step, run, arun, _drive) and what it does between two leaves "
+        "(_prepare, _after_leaf) read as one machine; RunStateAccess (runstate.py) is the run's state for tools",
+    "flowvm/machine/driver.py:Driver._prepare":
         "finds the next leaf's fast path inline: in a method of its own, a step of a nest of tight loops "
         "took 4-7% longer",
     "flowvm/machine/fastpaths.py:_one_weave_loop":
