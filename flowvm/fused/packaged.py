@@ -140,6 +140,8 @@ class Packaged:
         try:
             if not cache.may_hold(jobs.hint(self.generated, self.settings.options, args)):
                 return False  # never stored: no need to pickle the step for its key
+            if self._refused_now():
+                return False
             job = jobs.describe(self.el, self.generated, self.settings.options, args)
         except Exception:  # it does not pickle: the compile says why, in its time
             return False

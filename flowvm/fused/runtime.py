@@ -95,6 +95,7 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         self._retry_at = 0.0               # time.monotonic() before which none starts again
         self._callcheck = None             # the thread's compiled form's own checks (flowvm/fused/callcheck.py)
         self.eager_while: str | None = None  # why the last call of the compiled form ran eagerly (callcheck)
+        self._never: str | None = None     # why it is never compiled ("": nothing), once asked (_refused_now)
         self.current: Callable = self.eager if self.state == "eager" else self._first
 
     # -- the leaf the driver calls
@@ -130,13 +131,10 @@ class Runtime(Choosing, Packaged, ThreadCompile):
     def _first(self, *args):
         """The first execution: start compiling (or compile now, when not in the background)."""
         st = self.settings
-        reason = collective(self.el.calls) or refused_call(self.el.calls)
-        if reason is not None:  # never compiled: the ranks must run the same collectives (checks.collective),
-            # an assertion must not be dropped, an op must not compute other values (effects.refused_call)
-            self.state, self.current, self.refused, self.decision = "eager", self.eager, reason, f"eager: {reason}"
-            return self.eager(*args)
         if st.form != "eager" and self._from_cache(args):  # compiled already: no warm-up, nothing to repay
             return self._after_compile()(*args)
+        if self._never:  # refused on the way (_refused_now)
+            return self.eager(*args)
         self._checks_payback = st.background and st.form == "auto" and st.payback > 0 and st.backend == "inductor"
         self._remaining = remaining_runs() if self._checks_payback else None
         if st.background and st.form == "auto" and (st.compile_after > 0 or self._remaining is not None):
@@ -173,7 +171,21 @@ class Runtime(Choosing, Packaged, ThreadCompile):
                          f"compile (about {cost:.0f} s, payback {self.settings.payback:g}x)")
         return False
 
+    def _refused_now(self) -> bool:
+        """Whether the step must never be compiled (then it stays eager from now on, saying why): the ranks must
+        run the same collectives (checks.collective), an assertion must not be dropped, an op must not compute
+        other values (effects.refused_call).  Asked once, when a compile would start or a cached package be
+        taken: a step that never gets that far pays nothing for the checks."""
+        if self._never is None:
+            self._never = collective(self.el.calls) or refused_call(self.el.calls) or ""
+            if self._never:
+                reason = self._never
+                self.state, self.current, self.refused, self.decision = "eager", self.eager, reason, f"eager: {reason}"
+        return bool(self._never)
+
     def _begin(self, *args):
+        if self._refused_now():
+            return self.eager(*args)
         self._start_compile(args)
         if not self.settings.background:
             return self._after_compile()(*args)
@@ -344,6 +356,8 @@ class Runtime(Choosing, Packaged, ThreadCompile):
             return
         if form != "compiled":
             raise ValueError(f"force: form must be 'eager' or 'compiled', got {form!r}")
+        if self._refused_now():
+            raise RuntimeError(f"force('compiled'): the step stays eager: {self.refused}")
         while self._job_running:
             if self._job_pid is not None and self._job_pid != os.getpid():
                 self._orphaned()
