@@ -102,6 +102,9 @@ def fmt(value: Any, limit: int = 40, _inside: frozenset = frozenset()) -> str:
 
 
 def call_text(el: CALL) -> str:
+    own = getattr(type(el.fn), "__flowvm_text__", None)  # a callable that prints as code of its own
+    if own is not None:  # (a statement of a @flowvm.program function)
+        return own.__get__(el.fn)
     args = [fmt(a) for a in el.args] + [f"{k}={fmt(v)}" for k, v in el.kwargs.items()]
     text = f"{fn_name(el.fn)}({', '.join(args)})"
     return f"{target_text(el.store_to)} = {text}" if el.store_to is not None else text
