@@ -160,6 +160,7 @@ class Mutation:
     weight: int = 1
     long_only: bool = False
     state_refused: bool = False  # a state file refuses it (documented: docs/state.md), a pickle copies it
+    copy_refused: bool = False  # no copy can hold it (a generator): every copy is refused, naming its register
 
 
 class Context:
@@ -210,6 +211,12 @@ def _iterator(ctx, p, K):
     return K["CALL"](next_of, r(name), r("log"), store_to=r(ctx.fresh("v")))
 
 
+def _generator(ctx, p, K):
+    r = ctx.reg
+    name = ctx.fresh("gen", (i * 3 for i in range(p, p + 7)))
+    return K["CALL"](next_of, r(name), r("log"), store_to=r(ctx.fresh("v")))
+
+
 def _batches(ctx, p, K):
     from flowvm import Batches
 
@@ -234,6 +241,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("py-random", "plain", lambda c: 0,
              lambda ctx, p, K: K["CALL"](py_draw, ctx.reg("pacc"), store_to=ctx.reg("pacc")), weight=2),
     Mutation("iterator", "plain", lambda c: c.int(0, 5), _iterator, state_refused=True),
+    Mutation("generator", "plain", lambda c: c.int(0, 5), _generator, copy_refused=True),
     Mutation("np-random", "numpy", lambda c: 0,
              lambda ctx, p, K: K["CALL"](np_draw, ctx.reg("nacc"), store_to=ctx.reg("nacc")), weight=2),
     Mutation("batches", "numpy", lambda c: {"seed": c.int(0, 9), "workers": 0}, _batches),
@@ -428,6 +436,12 @@ def mutations_of(spec) -> list[str]:
 def state_refused(spec) -> bool:
     """Whether a state file may refuse the run (it holds a value docs/state.md says a state file cannot hold)."""
     return any(BY_NAME[n].state_refused for n in mutations_of(spec))
+
+
+def copy_refused(spec) -> bool:
+    """Whether no copy of the run can hold it (it keeps a generator in a register ``gen<n>``): every copy must be
+    refused, naming that register."""
+    return any(BY_NAME[n].copy_refused for n in mutations_of(spec))
 
 
 def needs(spec) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -143,6 +144,7 @@ def check_program(spec, rng: random.Random, opts: Options, figures: Figures, wor
     jobs, here = [], []
     limit = 2 * total + 100
     CopyError = copy_error()
+    refused_for_good = rgen.copy_refused(spec)
     build = lambda: rgen.build(spec)  # noqa: E731
     with T._ProcessState():
         for k in cuts:
@@ -153,18 +155,27 @@ def check_program(spec, rng: random.Random, opts: Options, figures: Figures, wor
                     made = T.make_copy(original, how, os.path.join(workdir, f"copy-{k}-{how}"))
                 except CopyError as err:
                     figures["refusals"] += 1
-                    if not pending[k]:
+                    if refused_for_good:  # a generator in a register: refused, naming it
+                        if not re.search(r"registers/gen\d+ holds a builtins.generator", str(err)):
+                            failures.append(Failure("refused", spec, k, how, None,
+                                                    [f"a generator's copy refused without naming it: {err}"]))
+                    elif not pending[k]:
                         failures.append(Failure("refused", spec, k, how, None,
                                                 [f"refused where no backward is due: {err}"]))
                     continue
                 except flowvm.CheckpointError as err:
-                    if how == "state" and rgen.state_refused(spec):
+                    if refused_for_good and re.search(r"registers/gen\d+ holds a generator", str(err)):
+                        figures["refusals"] += 1  # a state file refuses it too, naming it
+                    elif how == "state" and rgen.state_refused(spec):
                         figures["refusals_documented"] += 1  # a value docs/state.md says a state file cannot hold
                     else:
                         failures.append(Failure("error", spec, k, how, None, [f"copy raised CheckpointError: {err}"]))
                     continue
                 except Exception as err:  # noqa: BLE001
                     failures.append(Failure("error", spec, k, how, None, [f"copy raised {type(err).__name__}: {err}"]))
+                    continue
+                if refused_for_good:
+                    failures.append(Failure("error", spec, k, how, None, ["a run holding a generator was copied"]))
                     continue
                 figures[f"copies_{how}"] += 1
                 job = {"id": f"{k}/{how}", "how": how, "path": made, "cut": k, "limit": limit}
@@ -215,6 +226,8 @@ def check_program(spec, rng: random.Random, opts: Options, figures: Figures, wor
                 problems.insert(0, "(the cut is between a forward CALL and its backward: the copy should have "
                                    "been refused with CopyError, or resumed exactly)")
             failures.append(Failure("differs", spec, int(k), how, r.get("env"), problems))
+    if refused_for_good:  # no copy to resume from (every one refused, above)
+        return failures
     if "cli" in opts.paths and opts.cli:
         failures += check_cli(spec, expected, pending, rng, workdir, figures, opts)
     if opts.nproc and profile in ("plain", "numpy") and total > 1:

@@ -86,3 +86,14 @@ EVERY_KIND = subclassed(["seq", False, [
 @pytest.mark.parametrize("spec", [SUB_WEAVE, EVERY_KIND], ids=["weave-subclass", "every-kind-subclassed"])
 def test_a_subclass_of_every_kind_is_that_kind(spec):
     assert_none(failures_of(spec, 3, paths=("pickle", "checkpoint", "state", "deepcopy")))
+
+
+GENERATOR = ["repeat", False, 3, ["seq", False, [["leaf", False, "generator", 2], ["leaf", False, "int", [0, 1, 2]]]], False]
+
+
+@pytest.mark.parametrize("cut", [0, 3])
+def test_a_run_holding_a_generator_is_refused_by_every_copy_naming_the_register(cut):
+    opts = rsearch.Options(paths=ALL, cli=True, envs=("same-process",), only_cut=cut, lazy_jobs=5)
+    figures = rsearch.Figures()
+    assert_none(rsearch.check_program(GENERATOR, random.Random(0), opts, figures, tempfile.mkdtemp()))
+    assert figures["refusals"] >= 4  # pickle, cloudpickle, deepcopy, checkpoint, state: each refused
