@@ -334,8 +334,9 @@ def _check_counts(args) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {least}")
     if getattr(args, "sync_every", 1) < 1:
         raise UsageError("--sync-every must be >= 1")
-    if getattr(args, "every_seconds", None) is not None and not args.every_seconds > 0:
-        raise UsageError("--every-seconds must be > 0")
+    seconds = getattr(args, "every_seconds", None)
+    if seconds is not None and not 0 < seconds < float("inf"):
+        raise UsageError(f"--every-seconds must be a finite number of seconds > 0, got {seconds}")
     if args.command == "run" and args.checkpoint is None and (args.every or args.every_seconds):
         raise UsageError("--every and --every-seconds need --checkpoint PATH (where to save)")
 

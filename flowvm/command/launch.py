@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..base.errors import CheckpointError, UsageError
+from ..base.data import max_workers
+from ..base.environment import cores
 from ..base.workers import die_with_parent
 from ..persist.lock import hold_as_rank, holding
 from ..distributed import checkpoints, group
@@ -107,6 +109,9 @@ def _check_options(args) -> None:
     """The data-parallel options, refused in one line before any rank starts."""
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc is not None and args.nproc > max_workers():
+        raise UsageError(f"--nproc {args.nproc} is more ranks than this host can run usefully: at most "
+                         f"{max_workers()} (4 per core of its {cores()}, or 8)")
     if args.nnodes < 1 or args.max_restarts < 0:
         raise UsageError(f"--nnodes must be >= 1 and --max-restarts >= 0, got {args.nnodes} and {args.max_restarts}")
     if args.sync_every < 1:

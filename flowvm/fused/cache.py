@@ -146,6 +146,38 @@ def add_hint(hint: str, k: str | None = None) -> None:
         pass
 
 
+def note_hint(hint: str, decision: dict) -> None:
+    """Keep with a hint what a run measured of a step with it (as ``note`` does with an entry), so that a later
+    run that would only run it eagerly need not pickle the step for its key (``hinted``).  Only where the hint
+    is (an entry of it was stored); errors pass."""
+    where = root()
+    if where is None or not may_hold(hint):
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=os.path.join(where, HINTS))
+        with os.fdopen(fd, "w") as f:
+            json.dump(decision, f)
+        os.replace(tmp, os.path.join(where, HINTS, hint))
+    except OSError:
+        pass
+
+
+def hinted(hint: str) -> dict | None:
+    """What the last run that measured a step with this hint kept (``note_hint``), or None.  A hint's note is
+    advice on speed only: it never decides what runs compiled (an entry's own decision does)."""
+    where = root()
+    if where is None:
+        return None
+    try:
+        with open(os.path.join(where, HINTS, hint)) as f:
+            got = json.loads(f.read(4096) or "null")
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(got, dict) and isinstance(got.get("compiled"), bool) and isinstance(got.get("periods"), int) \
+        and all(isinstance(got.get(k), float) and got[k] > 0 for k in ("compiled_s", "eager_s"))
+    return got if ok else None
+
+
 def lookup(k: str) -> str | None:
     """The entry's directory (marked as used now, when the cache is writable), or None.  The entry is
     checked first (``verify``): one that fails is evicted (when the cache is writable) and missed."""

@@ -51,9 +51,12 @@ class Choosing:
         self._executions = 0
         self._recheck_at = RECHECK_FACTOR * (len(eager) + len(compiled)) * 10 ** self.trials_done
         self.current = self._steady if self.trials_done <= MAX_RECHECKS else self._chosen
+        decision = {"compiled": self.state == "compiled", "compiled_s": mc, "eager_s": me,
+                    "periods": len(eager) + len(compiled)}
         if self._cache_key is not None:  # the next run takes the faster form at once (_adopt)
-            cache.note(self._cache_key, {"compiled": self.state == "compiled", "compiled_s": mc, "eager_s": me,
-                                         "periods": len(eager) + len(compiled)})
+            cache.note(self._cache_key, decision)
+        if self._hint is not None:  # and a short one that would run it eagerly need not look (_eager_by_hint)
+            cache.note_hint(self._hint, decision)
 
     def _adopt(self, known: dict) -> None:
         """Take the form an earlier run measured faster with this cached package, from the first execution
@@ -69,6 +72,24 @@ class Choosing:
         self._executions = 0
         self._recheck_at = RECHECK_FACTOR * max(int(known["periods"]), 2 * self.settings.trials) * 10 ** 2
         self.current = self._steady
+
+    def _eager_by_hint(self, hint: str) -> bool:
+        """Whether an earlier run measured a step of this hint faster eagerly and this run ends before it would
+        measure it again (``_adopt``'s recheck, from the REPEATs' counts): then it runs eagerly at once,
+        without pickling the step for its key or loading anything."""
+        from ..machine.running import remaining_runs
+
+        known = cache.hinted(hint)
+        if known is None or known["compiled"]:
+            return False
+        left = remaining_runs()
+        if left is None or left >= RECHECK_FACTOR * max(known["periods"], 2 * self.settings.trials) * 10 ** 2:
+            return False
+        self.measured = (known["compiled_s"], known["eager_s"])
+        self.decision = (f"eager, measured compiled {microseconds(known['compiled_s'])} vs eager "
+                         f"{microseconds(known['eager_s'])} per execution (by an earlier run)")
+        self.state, self.current, self._chosen = "eager", self.eager, self.eager
+        return True
 
     def _steady(self, *args):
         self._executions += 1

@@ -53,6 +53,7 @@ class Packaged:
             self._job_done = True  # the next execution runs it
             return True
         hint = jobs.hint(self.generated, self.settings.options, args) if job.key is not None else None
+        self._hint = hint
         start = time.perf_counter()
 
         def done(run, error):
@@ -138,9 +139,11 @@ class Packaged:
         if cache.root() is None or not self._may_go_out_of_process():
             return False
         try:
-            if not cache.may_hold(jobs.hint(self.generated, self.settings.options, args)):
+            hint = jobs.hint(self.generated, self.settings.options, args)
+            if not cache.may_hold(hint):
                 return False  # never stored: no need to pickle the step for its key
-            if self._refused_now():
+            self._hint = hint
+            if self._refused_now() or self._eager_by_hint(hint):
                 return False
             job = jobs.describe(self.el, self.generated, self.settings.options, args)
         except Exception:  # it does not pickle: the compile says why, in its time

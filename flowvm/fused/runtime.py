@@ -96,6 +96,7 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         self._callcheck = None             # the thread's compiled form's own checks (flowvm/fused/callcheck.py)
         self.eager_while: str | None = None  # why the last call of the compiled form ran eagerly (callcheck)
         self._never: str | None = None     # why it is never compiled ("": nothing), once asked (_refused_now)
+        self._hint: str | None = None      # the step's cache hint, once computed (jobs.hint)
         self.current: Callable = self.eager if self.state == "eager" else self._first
 
     # -- the leaf the driver calls
@@ -133,8 +134,8 @@ class Runtime(Choosing, Packaged, ThreadCompile):
         st = self.settings
         if st.form != "eager" and self._from_cache(args):  # compiled already: no warm-up, nothing to repay
             return self._after_compile()(*args)
-        if self._never:  # refused on the way (_refused_now)
-            return self.eager(*args)
+        if self._never or self.state == "eager":  # refused on the way (_refused_now), or eager by a hint's
+            return self.eager(*args)  # decision (_eager_by_hint)
         self._checks_payback = st.background and st.form == "auto" and st.payback > 0 and st.backend == "inductor"
         self._remaining = remaining_runs() if self._checks_payback else None
         if st.background and st.form == "auto" and (st.compile_after > 0 or self._remaining is not None):

@@ -50,6 +50,7 @@ def no_rank_left() -> None:
 
 @pytest.mark.parametrize("args, env, words", [
     (["--nproc", "0"], {}, "--nproc must be >= 1, got 0"),
+    (["--nproc", "100000"], {}, "--nproc 100000 is more ranks than this host can run usefully: at most"),
     (["--nproc", "2", "--sync-every", "0"], {}, "--sync-every must be >= 1"),
     (["--nproc", "2", "--dist-timeout", "-1"], {}, "timeout must be > 0 seconds"),
     (["--nproc", "2"], {"FLOWVM_DIST_TIMEOUT": "abc"}, "$FLOWVM_DIST_TIMEOUT must be a number of seconds, got 'abc'"),

@@ -414,3 +414,21 @@ def test_a_package_is_kept_as_its_library_alone_only_when_that_is_all_it_needs(t
         assert (tmp_path / "step.so").read_bytes() == b"\x7fELF library"
     kept = outofprocess._kept(os.listdir(tmp_path) + ["job.pkl"])
     assert kept == (["step.so"] if alone else ["step.pt2"])
+
+
+@pytest.mark.parametrize("executions", [40, 100_000])
+def test_a_short_run_of_a_step_measured_faster_eagerly_does_not_look_up_its_entry(cache_dir, monkeypatch, executions):
+    """A hint keeps what the last run measured of its steps: a run too short to measure the step again runs it
+    eagerly at once, without pickling the step for its key; a long one looks its entry up, to measure it
+    again later."""
+    prog, reg = _chain(executions)
+    measured = {"compiled": False, "compiled_s": 12e-6, "eager_s": 8e-6, "periods": 20}
+    fast, rt, _ = _stored(cache_dir, monkeypatch, prog, reg, measured)
+    cache.note_hint(jobs.hint(rt.generated, rt.settings.options, (reg["x"],)), measured)
+    described, real = [], jobs.describe
+    monkeypatch.setattr(jobs, "describe", lambda *a: described.append(1) or real(*a))
+    drv = fast.start()
+    drv.run(max_steps=3)
+    assert rt.state == "eager" and rt.decision.endswith("per execution (by an earlier run)"), rt.decision
+    assert rt.hits == 0 and described == ([] if executions == 40 else [1])
+    assert rt.cached is (executions != 40)
