@@ -169,6 +169,32 @@ def test_ranks_die_with_their_launcher_and_a_resume_then_continues_exactly(tmp_p
         time.sleep(0.05)
     resumed = flowvm("resume", run, "--max-steps", "4")  # the lock is free: the ranks are gone
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # exactly: the uninterrupted run stopped at the same step holds the same model, bit for bit
+    straight = tmp_path / "straight"
+    stopped = flowvm("run", PROG, "--nproc", "2", *BASE, "--set", "epochs=400", "--checkpoint", straight,
+                     "--max-steps", str(_steps(run)))
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert _steps(straight) == _steps(run)
+    assert _model(straight) == _model(run)
+
+
+def _steps(location: Path) -> int:
+    return json.loads((location / "manifest.json").read_text())["steps"]
+
+
+def _model(location: Path) -> list:
+    """The run's model and optimizer as rank 0 saved them: their tensors' bytes, in order."""
+    import torch
+
+    import flowvm as fv
+
+    folder = json.loads((location / "manifest.json").read_text())["folder"]
+    regs = fv.load(location / folder / "shared.ckpt").registers
+    net = next(v for v in regs.values() if isinstance(v, torch.nn.Module))
+    opt = next(v for v in regs.values() if isinstance(v, torch.optim.Optimizer))
+    tensors = list(net.state_dict().values()) + [t for s in opt.state_dict()["state"].values()
+                                                 for t in s.values() if isinstance(t, torch.Tensor)]
+    return [t.detach().numpy().tobytes() for t in tensors]
 
 
 def test_a_lock_is_not_free_while_ranks_of_a_dead_launcher_live(tmp_path):
