@@ -74,7 +74,8 @@ def _iterate(iterable: Any) -> Any:
     if isinstance(it, SAVEABLE_ITERATORS) or _has_state(it):
         return it
     raise TypeError(f"for over {type(iterable).__name__}: its iterator ({type(it).__name__}) cannot be saved with "
-                    "the run; iterate over a list, a range, a flowvm.Batches or an object whose iterator pickles")
+                    "the run; iterate over a list (list(...) of it, when it is finite), a range, a flowvm.Batches "
+                    "or an object whose iterator pickles")
 
 
 def _has_state(it: Any) -> bool:
