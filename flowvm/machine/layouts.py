@@ -7,8 +7,9 @@ children, a missing slot).
 Every module outside the moves (flowvm/machine/frames.py) asks ``layout_of(el)`` instead of testing an
 element's kind: state files save and load frames by these names, the culprit walker names the slot holding a
 value, and a run's path is built from ``child``.  A kind is its element's ``frame_kind``, so a subclass of a
-kind has its kind's layout; a container kind written outside flowvm has none (its frames stay in a run and
-in pickles, and a state file refuses them)."""
+kind has its kind's layout; a container kind written outside flowvm declares its own as the class attribute
+``frame_layout`` (a ``Layout``), or has none (its frames stay in a run and in pickles, and a state file
+refuses them)."""
 
 from __future__ import annotations
 
@@ -107,5 +108,11 @@ LAYOUTS: dict[type, Layout] = {
 
 
 def layout_of(el: Any) -> Layout | None:
-    """The layout of el's frames (None for a leaf and for a container kind written outside flowvm)."""
-    return LAYOUTS.get(el.frame_kind)
+    """The layout of el's frames: its built-in kind's, else the one its class declares as ``frame_layout`` (a
+    container kind written outside flowvm: docs/containers.md); None for a leaf and for a kind that declares
+    none."""
+    found = LAYOUTS.get(el.frame_kind)
+    if found is None:
+        own = getattr(type(el), "frame_layout", None)
+        return own if isinstance(own, Layout) else None
+    return found

@@ -80,3 +80,63 @@ def test_a_frame_out_of_its_layout_is_refused_naming_the_slot():
         check_frame([rep, 5, 3, None], 0)
     with pytest.raises(ValueError, match="frame has 2 slots, its layout 3"):
         check_frame([rep, 1, 3], 0)
+
+
+def _twice_kind(declared: bool):
+    """A container kind written outside flowvm, running its body twice (docs/containers.md), with its layout
+    declared or not."""
+    from flowvm import Element
+    from flowvm.machine.frames import push, register_container
+    from flowvm.machine.layouts import Layout, count
+
+    class TWICE(Element):
+        kind = "TWICE"
+        if declared:
+            frame_layout = Layout(("runs",), lambda fr, n, steps: count(fr[1], "runs", 0, 1))
+
+        def __init__(self, body):
+            self._init(body=body)
+
+        @property
+        def children(self):
+            return (self.body,)
+
+        def with_children(self, children):
+            return TWICE(children[0])
+
+    def start(driver, frame):
+        frame.append(0)
+        return push(driver, frame[0].body)
+
+    def next_(driver, frame, value):
+        frame[1] += 1
+        return push(driver, frame[0].body) if frame[1] < 2 else value
+
+    register_container(TWICE, start, next_)
+    return TWICE
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_kind_written_outside_declares_its_layout_once_and_state_files_hold_its_frames(tmp_path, declared):
+    import flowvm
+
+    TWICE = _twice_kind(declared)
+    reg = Registers(n=0)
+    prog = SEQ([TWICE(CALL(add, reg("n"), 1, store_to=reg("n"))), CALL(add, reg("n"), 100)])
+    drv = prog.start()
+    drv.step()
+    path = tmp_path / "run.safetensors"
+    if not declared:  # no layout: a state file refuses to resume the run inside it, naming the kind
+        flowvm.save_state(drv, path)
+        with pytest.raises(flowvm.CheckpointError, match="TWICE frame: an element kind whose frames a state "
+                                                         "file does not hold"):
+            flowvm.load_state(path, prog)
+        return
+    assert layout_of(prog.elements[0]).slots == ("runs",)
+    flowvm.save_state(drv, path)
+    assert drv.run() == 102
+    resumed = flowvm.load_state(path, prog)
+    assert resumed.steps == 1 and resumed.run() == 102
+    check_frame([prog.elements[0], 1], 1)
+    with pytest.raises(ValueError, match="runs is 5"):  # a frame no run reaches: refused, naming the slot
+        check_frame([prog.elements[0], 5], 1)
