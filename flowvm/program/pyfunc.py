@@ -256,7 +256,41 @@ def _closure(function: Callable) -> dict:
     return {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, cells)}
 
 
-def build(source: FunctionSource, arguments: dict, closure: dict) -> SEQ:
+PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+@stable("flowvm")
+class PyProgram(SEQ):
+    """The program of one call of a ``@flowvm.program`` function: a SEQ (its kind everywhere) that also knows
+    the call it came from, so that ``to_source`` writes that call back (``from module import f``, ``program =
+    f(3, lr=0.1)``).  Its arguments are kept when they are plain values (numbers, strings, None); a call with
+    others is not written back (``to_source`` names the argument).  An edit makes it a plain SEQ."""
+
+    def __init__(self, elements, call: tuple = ("", "", (), ())):
+        super().__init__(elements)
+        self._init(elements=self.elements, call=tuple(call))
+
+    def __flowvm_source__(self):
+        from ..base.errors import SourceError
+
+        module, qualname, plain, other = self.call
+        if other:
+            raise SourceError(f"the call of {qualname} takes {other[0]}, which source cannot write: only a call "
+                              "of plain values (numbers, strings, None) is written back")
+        function = _resolve(module, qualname)
+        if not isinstance(function, PyFunction):
+            raise SourceError(f"{module}.{qualname} is no @flowvm.program function in this process")
+        return function, (), dict(plain)
+
+
+def _resolve(module: str, qualname: str) -> Any:
+    obj = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def build(source: FunctionSource, arguments: dict, closure: dict) -> PyProgram:
     """The program of ``source``'s function for these arguments: its registers hold the arguments, what it
     closes over, and every other local unbound."""
     plan = source.plan
@@ -266,7 +300,9 @@ def build(source: FunctionSource, arguments: dict, closure: dict) -> SEQ:
     reg[JUMP], reg[VALUE] = 0, None
     for name in plan.hidden[2:]:
         reg[name] = None
-    return _element(plan.tree, source, reg)
+    plain = tuple((k, v) for k, v in arguments.items() if type(v) in PLAIN)
+    other = tuple(k for k, v in arguments.items() if type(v) not in PLAIN)
+    return PyProgram(_element(plan.tree, source, reg).elements, (source.module, source.qualname, plain, other))
 
 
 def _element(spec, source: FunctionSource, reg: Registers):
@@ -297,5 +333,5 @@ def program(function: Callable) -> PyFunction:
     return PyFunction(function)
 
 
-__all__ = ["program", "PyFunction", "Statement", "FunctionSource", "SourceChanged", "ProgramSyntaxError", "Next",
-           "ACCEPT_ENV"]
+__all__ = ["program", "PyFunction", "PyProgram", "Statement", "FunctionSource", "SourceChanged", "ProgramSyntaxError",
+           "Next", "ACCEPT_ENV"]

@@ -199,3 +199,15 @@ def test_the_command_runs_checkpoints_and_resumes_it_exactly(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     line = [ln for ln in straight.stdout.splitlines() if ln.startswith("walked")]
     assert line and line == [ln for ln in resumed.stdout.splitlines() if ln.startswith("walked")]
+
+
+def test_to_source_writes_the_call_back_and_from_source_rebuilds_it(tmp_path):
+    from flowvm.base.errors import SourceError
+    from flowvm.views.source import from_source
+
+    module = load(tmp_path, SOURCE.format(k=2))
+    text = flowvm.to_source(module.f(7))
+    assert f"from {module.__name__} import f" in text and "program = f(n=7)" in text, text
+    assert from_source(text).run() == module.f.function(7) == 42
+    with pytest.raises(SourceError, match="the call of f takes n, which source cannot write"):
+        flowvm.to_source(module.f([1, 2]))
