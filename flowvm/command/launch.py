@@ -123,15 +123,18 @@ def _check_options(args) -> None:
     if not math.isfinite(seconds):
         raise UsageError(f"the collectives' timeout must be a finite number of seconds, got {seconds}")
     if args.rdzv is not None:
-        _check_endpoint(args.rdzv, args.node_rank)
+        _check_endpoint(args.rdzv, args.node_rank, args.nnodes)
 
 
-def _check_endpoint(rdzv: str, node_rank: int | None) -> None:
-    """--rdzv HOST:PORT: a port, and, where this host would serve the rendezvous, a port no one else holds."""
+def _check_endpoint(rdzv: str, node_rank: int | None, nnodes: int = 1) -> None:
+    """--rdzv HOST:PORT: a port, and, where this host serves the rendezvous for sure, a port no one else holds.
+    Hosts that meet without node ranks (several, each may serve it) are not checked: the launcher of another
+    host of the same run, started first on this machine, holds the port rightly."""
     host, sep, port = rdzv.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--rdzv must be HOST:PORT, got {rdzv!r}")
-    if node_rank not in (None, 0) or host.strip("[]") not in ("127.0.0.1", "localhost", "::1", socket.gethostname()):
+    serves = node_rank == 0 or (node_rank is None and nnodes == 1)
+    if not serves or host.strip("[]") not in ("127.0.0.1", "localhost", "::1", socket.gethostname()):
         return
     with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as probe:
         try:

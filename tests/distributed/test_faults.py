@@ -72,6 +72,24 @@ def test_a_taken_rendezvous_port_is_one_line():
     no_rank_left()
 
 
+def test_a_port_held_by_the_launcher_of_another_host_of_the_run_is_no_refusal():
+    """Hosts meeting without node ranks: the first launcher started on this machine serves the rendezvous on
+    the port, and the next one, of the same run, must join it, not refuse the port as taken."""
+    with socket.socket() as first:  # as the first launcher serving the rendezvous holds it
+        first.bind(("127.0.0.1", 0))
+        first.listen()
+        port = first.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "flowvm", "run", str(PROG), "--nnodes", "2",
+                                 "--rdzv", f"127.0.0.1:{port}", "--nproc", "1", "--progress", "none"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stderr.readline()
+        finally:
+            proc.kill()
+            proc.communicate()
+    assert line.startswith(f"flowvm: waiting for 2 hosts at 127.0.0.1:{port}"), line
+
+
 def _damage_folder(run: Path) -> Path:
     return run / json.loads((run / "manifest.json").read_text())["folder"]
 
