@@ -18,7 +18,6 @@ than once, ``async`` anything.
 from __future__ import annotations
 
 import ast
-import builtins
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,4 +259,4 @@ def reassigned_names(fn: ast.FunctionDef, params: list[str]) -> set[str]:
 
 __all__ = ["ProgramSyntaxError", "UNBOUND", "BREAK", "CONTINUE", "RETURN", "JUMP", "VALUE", "Piece", "Plan",
            "Checker", "assigned_names", "read_names", "jumps", "loops", "context_name", "reassigned_names",
-           "refuse", "PER_STATEMENT_CONTEXTS", "builtins"]
+           "refuse", "PER_STATEMENT_CONTEXTS"]

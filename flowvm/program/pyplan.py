@@ -8,8 +8,8 @@ from __future__ import annotations
 import ast
 import textwrap
 
-from .pylower import (BREAK, CONTINUE, JUMP, PER_STATEMENT_CONTEXTS, RETURN, VALUE, Checker, Piece, Plan,
-                      assigned_names, context_name, jumps, read_names, reassigned_names, refuse)
+from .pylower import (BREAK, CONTINUE, JUMP, RETURN, VALUE, Checker, Piece, Plan, assigned_names, jumps,
+                      read_names, reassigned_names, refuse)
 
 HELPERS = ("__U", "__bound", "__iterate", "__advance")  # default arguments of every generated function
 SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Pass, ast.Import, ast.ImportFrom,
@@ -39,7 +39,7 @@ def lower(source: str, filename: str, firstlineno: int, free: tuple[str, ...] = 
     Checker(filename, set(local_names), reassigned_names(fn, params)).check(fn)
     low = _Lowerer(filename, set(local_names))
     tree = ("seq", low.block(fn.body) + [("call", low.result(fn), None)])
-    module = ast.Module(body=[p.fn for p in low.defs], type_ignores=[])
+    module = ast.Module(body=low.defs, type_ignores=[])
     ast.fix_missing_locations(module)
     return Plan(tree=tree, module=module, pieces=low.pieces, local_names=local_names, params=params,
                 hidden=[JUMP, VALUE] + low.hidden)
@@ -77,7 +77,7 @@ class _Lowerer:
         fn = ast.FunctionDef(name=name, args=args, body=pre + body or [ast.Pass()], decorator_list=[], returns=None,
                              type_params=[])
         _locate(fn, node)
-        self.defs.append(_Def(fn))
+        self.defs.append(fn)
         self.pieces[name] = Piece(name, body, params, writes, role, line, text or _text(node))
         return name
 
@@ -187,13 +187,6 @@ class _Lowerer:
                           [], params_extra=(VALUE,), text="return")
 
 
-class _Def:
-    """A generated FunctionDef (kept apart from its Piece: the module is made of these)."""
-
-    def __init__(self, fn: ast.FunctionDef):
-        self.fn = fn
-
-
 def _has_own(stmts, kind) -> bool:
     """Whether a break or continue of this loop's own is in stmts (not one of a nested loop)."""
     for st in stmts:
@@ -236,4 +229,4 @@ def _text(node) -> str:
         return type(node).__name__
 
 
-__all__ = ["lower", "parse", "HELPERS", "PER_STATEMENT_CONTEXTS", "context_name"]
+__all__ = ["lower", "parse", "HELPERS"]
