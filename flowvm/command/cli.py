@@ -26,9 +26,10 @@ A checkpoint path ending in ``.safetensors`` holds the run's state only, no code
 the file records (or ``--program``/``--set`` given) and loads the state into it, ``show`` reads it without
 importing anything (see the section "state checkpoints" below).
 
-Checkpoint locations are local paths or fsspec URLs (``s3://bucket/run.ckpt``,
-``memory://...``; see flowvm.persist.storage): a URL is kept as a str, since a Path
-would collapse its ``//``, and is read and checked through flowvm.persist.storage.
+Checkpoint places are local paths or fsspec URLs (``s3://bucket/run.ckpt``, ``memory://...``; see
+flowvm.persist.storage).  The parser resolves each into a ``Location`` once (persist/location.py), which the
+commands ask from then on: its format (what resume and show do, ``RESUME``/``SHOW``; what of a file already
+there must not be replaced), whether a save can go there, its lock.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import os
 import signal
 import sys
 
-from ..persist.formats import PICKLE, format_of
+from ..persist.formats import PICKLE
 from ..base.errors import UsageError, CheckpointError, FlowError, StoppedDuringStartup
 from ..base.tracebacks import format_user_error
 from .targets import build_program, bundled_programs, recorded
@@ -60,7 +61,7 @@ def cmd_run(args) -> int:
     module, drv, values, threads = start_program(args)
     check_model(module, args.output)  # before the first step, not after the run
     if args.checkpoint is not None:  # a run the format cannot hold (a function in a state file) is refused now
-        format_of(args.checkpoint).check(drv, args.checkpoint)
+        args.checkpoint.format.check(drv, args.checkpoint)
     target = recorded(args.target)  # so that `flowvm resume` finds it from any directory
     meta = {"target": target, "module": module.__name__, "sets": list(args.set), **values,
             "show": list(getattr(module, "SHOW", [])), "threads": threads,
@@ -75,8 +76,10 @@ def cmd_run(args) -> int:
 def cmd_resume(args) -> int:
     if launch.wanted(args):
         return launch.cmd_resume(args)
-    if not format_of(args.path).holds_code:  # the program is built again from the target the file records
-        return cmd_resume_state(args)
+    return RESUME[args.path.format.name](args)
+
+
+def cmd_resume_pickle(args) -> int:
     if args.program is not None or args.set:
         raise UsageError("--program and --set resume state checkpoints (.safetensors) only")
     check_checkpoint_path(args.checkpoint)
@@ -104,9 +107,13 @@ def cmd_resume(args) -> int:
 
 def cmd_show(args) -> int:
     launch.complete_step(args)  # a data-parallel run's folder: its complete step
-    if not format_of(args.path).holds_code:
-        return cmd_show_state(args)
-    return cmd_show_checkpoint(args)
+    return SHOW[args.path.format.name](args)
+
+
+# What resume and show do, by the format of the file given (persist/formats.py): a pickle checkpoint holds the
+# program; a state file's program is built again from the target and options it records
+RESUME = {"pickle": cmd_resume_pickle, "state": cmd_resume_state}
+SHOW = {"pickle": cmd_show_checkpoint, "state": cmd_show_state}
 
 
 def cmd_verify(args) -> int:

@@ -11,9 +11,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..persist import storage
 from ..persist.location import Location
-from ..persist.formats import MAGIC_BYTES, PICKLE, STATE, format_of
+from ..persist.formats import MAGIC_BYTES
 from ..machine.driver import Driver
 from ..base.errors import UsageError, CheckpointError
 from .targets import load_module
@@ -152,7 +151,7 @@ def trusted_header(args, path: Path | str) -> tuple[dict, str | None]:
     A signed file is only read with its key (and stays signed); with a key the
     signature is checked first, since the header names the module to import.
     """
-    key, read_header = key_of(args), format_of(path).read_header
+    key, read_header = key_of(args), Location.of(path).format.read_header
     header = read_header(path)
     if header.get("signed") and key is None:
         raise UsageError(f"{path} is signed: give its key with --key or ${KEY_ENV}")
@@ -189,64 +188,40 @@ def set_threads(threads: int | None) -> None:
         sys.modules["torch"].set_num_threads(threads)
 
 
-def checkpoint_location(text: str) -> Path | str:
-    """A --checkpoint or resume/show argument: a URL stays a str (a Path would collapse its ``//``); a
-    ``file://`` URL and a plain path become a Path."""
-    loc = Location.of(text)
-    return loc.url if loc.url is not None else loc.path
+def checkpoint_location(text: str) -> Location:
+    """A --checkpoint or resume/show argument, resolved once into the Location the command asks from then on
+    (its format, whether a save can go there, what is there already: persist/location.py)."""
+    return Location.of(text)
 
 
-def check_checkpoint_path(path: Path | str | None) -> None:
-    if isinstance(path, str):
-        # A URL: its filesystem is installed, it names an object, and the store answers.  Any problem but a
-        # missing object (no bucket, access denied, no credentials, an unreachable store) would fail every
-        # save: say so now, not after the first interval.
-        try:
-            storage.check_target(path)
-            storage.read_start(path, MAGIC_BYTES, missing_ok=True)
-        except CheckpointError as err:
-            raise UsageError(f"--checkpoint {path}: {err.reason}") from None
+def check_checkpoint_path(loc: Location | None) -> None:
+    """Refuse a --checkpoint that no save could go to, before the run starts: a directory, a missing
+    directory; for a URL, a filesystem that is not installed, a bucket, or a store that does not answer (any
+    problem but a missing object would fail every save: say so now, not after the first interval)."""
+    if loc is None:
         return
-    if path is not None:
-        if path.is_dir():
-            raise UsageError(f"--checkpoint {path} is a directory; give a file name")
-        if not path.parent.resolve().is_dir():
-            raise UsageError(f"--checkpoint {path}: no directory {path.parent}")
-
-
-def refuse_to_overwrite(path: Path | str | None, force: bool) -> None:
-    """A run must not silently replace an unfinished run saved at its checkpoint path, nor a file that is
-    no checkpoint at all."""
-    if path is None or force:
-        return
-    if not format_of(path).holds_code:
-        return refuse_to_overwrite_state(path)
-    if isinstance(path, str):  # a URL: read through the store (check_checkpoint_path named its problems)
-        try:
-            start = storage.read_start(path, MAGIC_BYTES, missing_ok=True)
-        except CheckpointError as err:
-            raise UsageError(f"--checkpoint {path}: {err.reason}") from None
-        if start is None:
-            return
-    else:
-        if not path.exists():
-            return
-        try:
-            with open(path, "rb") as f:
-                start = f.read(MAGIC_BYTES)
-        except OSError:
-            return  # a directory or an unreadable path: saving names the problem
-    if start and not PICKLE.starts_like(start):
-        raise UsageError(f"{path} exists and is not a flowvm checkpoint; choose another --checkpoint "
-                         "path, or pass --force to replace it")
     try:
-        header = PICKLE.read_header(path)
-    except CheckpointError:
-        return  # a damaged checkpoint: nothing to lose
-    if not header.get("done"):
-        target = (header.get("meta") or {}).get("target") or header.get("program")
-        raise UsageError(f"{path} holds an unfinished run ({target}, step {header.get('steps')}); "
-                         f"continue it with `flowvm resume {path}`, or pass --force to start over")
+        loc.check_target()
+        if loc.url is not None:
+            loc.read_start(MAGIC_BYTES, missing_ok=True)
+    except CheckpointError as err:
+        raise UsageError(f"--checkpoint {loc}: {err.reason}") from None
+
+
+def refuse_to_overwrite(loc: Location | None, force: bool) -> None:
+    """A run must not silently replace an unfinished run saved at its checkpoint place, nor a file that is
+    no checkpoint of its format at all: the format says what is there (``Format.in_the_way``)."""
+    if loc is None or force:
+        return
+    try:
+        found = loc.format.in_the_way(loc)
+    except CheckpointError as err:
+        raise UsageError(f"--checkpoint {loc}: {err.reason}") from None
+    if found is not None:
+        what, text = found
+        advice = (f"continue it with `flowvm resume {loc}`, or pass --force to start over" if what == "unfinished"
+                  else "choose another --checkpoint path, or pass --force to replace it")
+        raise UsageError(f"{text}; {advice}")
 
 
 def module_of(meta: dict) -> ModuleType | None:
@@ -261,21 +236,3 @@ def module_of(meta: dict) -> ModuleType | None:
         print(f"flowvm: warning: cannot load the run's program ({reason}); going on without its SHOW and "
               "report() (objects defined there may fail to load)", file=sys.stderr)
     return None
-
-
-# ------------------------------------------------------------------ state checkpoints (.safetensors)
-def refuse_to_overwrite_state(path: Path | str) -> None:
-    """As refuse_to_overwrite, for a state file: replace only a finished run or a damaged flowvm state file."""
-    try:
-        header = STATE.read_header(path)
-    except CheckpointError as err:
-        if err.reason in ("no such file", "no such object"):
-            return
-        if not err.reason.startswith(("corrupted", "refused")):  # not recognizably a flowvm state file
-            raise UsageError(f"{path} exists and is not a flowvm state checkpoint ({err.reason}); choose "
-                             "another --checkpoint path, or pass --force to replace it") from None
-        return
-    if not header.get("done"):
-        target = (header.get("meta") or {}).get("target") or header.get("program")
-        raise UsageError(f"{path} holds an unfinished run ({target}, step {header.get('steps')}); "
-                         f"continue it with `flowvm resume {path}`, or pass --force to start over")

@@ -30,6 +30,7 @@ from ..base.errors import CheckpointError, UsageError
 from ..base.data import max_workers
 from ..base.environment import cores
 from ..base.workers import die_with_parent
+from ..persist.location import Location
 from ..persist.lock import hold_as_rank, holding
 from ..distributed import checkpoints, group
 from ..distributed.launching import RankError, config, record_error, run_elastic
@@ -37,7 +38,7 @@ from ..distributed.loop import DEFAULT_SYNC_EVERY, Synchronized
 from ..distributed.replicas import ReplicaError, per_rank_names
 from .common import check_output, finish, key_of, module_of, set_threads, start_program, write_model
 from .history import History
-from .runner import DEFAULT_EVERY_SECONDS, shown
+from .runner import DEFAULT_EVERY_SECONDS, rate_text, shown
 from .targets import recorded
 from . import outputs
 from .rankends import all_ended, leave, tell, told
@@ -101,7 +102,7 @@ def complete_step(args) -> None:
     rank 0 saved there, ``shared.ckpt``) in args.path instead."""
     if checkpoints.is_checkpoint(args.path):
         manifest = checkpoints.read_manifest(args.path, key_of(args))
-        args.path = checkpoints.join(args.path, f"{manifest['folder']}/shared.ckpt")
+        args.path = Location.of(checkpoints.join(args.path, f"{manifest['folder']}/shared.ckpt"))
 
 
 # ------------------------------------------------------------------ the launcher
@@ -145,14 +146,15 @@ def _check_endpoint(rdzv: str, node_rank: int | None, nnodes: int = 1) -> None:
 
 
 def _location(value):
+    """A data-parallel run's checkpoint folder (a Path) or URL prefix (a str) from the place given."""
     if value is None:
         return None
-    if isinstance(value, Path):
-        if value.exists() and not value.is_dir():
-            raise UsageError(f"--checkpoint {value}: a data-parallel run saves into a folder; "
-                             f"{value} is a file")
-        return value
-    return value.rstrip("/")
+    loc = Location.of(value)
+    if loc.path is not None:
+        if loc.path.exists() and not loc.path.is_dir():
+            raise UsageError(f"--checkpoint {loc}: a data-parallel run saves into a folder; {loc} is a file")
+        return loc.path
+    return loc.url.rstrip("/")
 
 
 def _refuse_unfinished(location, key) -> None:
@@ -365,8 +367,8 @@ class _Progress:
         if self.quiet or not (force or now - self.last >= self.every):
             return
         self.last = now
-        rate = (self.drv.steps - self.start_step) / max(now - self.start, 1e-9)
-        print(f"step {self.drv.steps} ({rate:.0f} steps/s) {shown(self.drv, self.show)}".rstrip(),
+        rate = rate_text(self.drv.steps - self.start_step, now - self.start)
+        print(f"step {self.drv.steps} ({rate}) {shown(self.drv, self.show)}".rstrip(),
               file=sys.stderr, flush=True)
 
 

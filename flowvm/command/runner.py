@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .history import History
-from ..persist.formats import format_of
+from ..persist.location import Location
 from ..persist.lock import holding
 from ..persist.storage import read_start
 from ..machine.driver import Driver
@@ -90,6 +90,13 @@ def shown(drv: Driver, names: list[str]) -> str:
     return " ".join(f"{n}={short_value(drv.registers[n])}" for n in names if n in drv.registers)
 
 
+def rate_text(steps: int, seconds: float) -> str:
+    """A progress line's speed: whole steps a second from 10 on, else two significant digits (a slow step
+    is 0.4 steps/s, not 0)."""
+    rate = steps / max(seconds, 1e-9)
+    return f"{rate:.0f} steps/s" if rate >= 10 else f"{rate:.2g} steps/s"
+
+
 class Runner:
     """Runs a driver with progress output and periodic atomic checkpoints."""
 
@@ -98,7 +105,7 @@ class Runner:
                  progress: str = "auto", progress_every: float = 2.0, stop: Stop | None = None,
                  history: list[str] | None = None, tensorboard: str | None = None):
         self.drv, self.show, self.ckpt, self.every, self.meta, self.key = drv, show, ckpt, every, meta or {}, key
-        self.format = format_of(ckpt) if ckpt is not None else None
+        self.format = Location.of(ckpt).format if ckpt is not None else None
         self.history_names = list(show) + list(history or [])
         self.tensorboard = tensorboard
         self.stop = stop  # the command's, installed since its start; else run() installs its own
@@ -175,7 +182,7 @@ class Runner:
         drv = self.drv
         of = f"/{self.total}" if self.total else ""
         taken = drv.steps - self.start_step
-        rate = f" ({taken / max(time.monotonic() - self.start_time, 1e-9):.0f} steps/s)" if taken else ""
+        rate = f" ({rate_text(taken, time.monotonic() - self.start_time)})" if taken else ""
         return f"step {drv.steps}{of}{rate} {shown(drv, self.show)}".rstrip()
 
     def run(self, max_steps: int | None = None) -> int:

@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..persist.formats import format_of
 from . import outputs
 from .targets import load_module, parse_sets
 from .common import check_checkpoint_path, check_output, finish, key_of, refuse_to_overwrite, runner_for, write_model
@@ -53,7 +52,7 @@ def cmd_sweep(args) -> int:
     check_checkpoint_path(args.checkpoint)
     refuse_to_overwrite(args.checkpoint, args.force)
     check_output(args.output)
-    if args.checkpoint is not None and not format_of(args.checkpoint).holds_code:
+    if args.checkpoint is not None and not args.checkpoint.format.holds_code:
         raise UsageError("a sweep saves pickle checkpoints (.ckpt): its trials' results hold models")
     module = load_module(args.target)
     fixed = parse_sets(args.set, module.build)
@@ -89,7 +88,7 @@ def cmd_plot(args) -> int:
 
     complete_step(args)  # a data-parallel run's folder: its complete step
     key = key_of(args)
-    header = format_of(args.path).read_header(args.path, key)
+    header = args.path.format.read_header(args.path, key)
     meta = header.get("meta") or {}
     history = meta.get("history") or {}
     names = args.names or [n for n in history.get("names", []) if history.get("points", {}).get(n)]

@@ -46,9 +46,10 @@ VERSION = 1
 
 def join(location: Path | str, name: str) -> Path | str:
     """The file name inside a checkpoint location (a folder or a URL prefix)."""
-    if isinstance(location, str) and storage.is_url(location):
-        return location.rstrip("/") + "/" + name
-    return Path(storage.local_path(location) or location) / name
+    loc = storage.Location.of(location)
+    if loc.url is not None:
+        return loc.url.rstrip("/") + "/" + name
+    return loc.path / name
 
 
 def is_checkpoint(location: Path | str | None) -> bool:

@@ -286,7 +286,7 @@ class Driver(RunStateAccess):
         # The fast path (fastpaths.py) of a simple leaf in a REPEAT, or in a SEQ of simple leaves in a
         # REPEAT, found here: in a method of its own, a step of a deep nest of tight loops took 4-7% longer
         parent = stack[-2]
-        kind = type(parent[ELEMENT])
+        kind = parent[ELEMENT].frame_kind  # a subclass of REPEAT or SEQ that keeps the kind's moves is that kind
         if around is not None and _turn_per_step(around):
             return True
         if kind is REPEAT:
@@ -296,7 +296,7 @@ class Driver(RunStateAccess):
                 self._fast = parent
                 if self._watch is None:  # a watched step records its history: the general path
                     self._step_fast = parent
-        elif kind is SEQ and len(stack) > 2 and type(stack[-3][ELEMENT]) is REPEAT \
+        elif kind is SEQ and len(stack) > 2 and stack[-3][ELEMENT].frame_kind is REPEAT \
                 and all(type(c).simple_leaf for c in parent[ELEMENT].elements):
             if around is None:
                 self._fastseq = (stack[-3], parent)
@@ -308,7 +308,7 @@ class Driver(RunStateAccess):
         stack = self._stack
         if len(stack) > 1 and fastpaths.ENABLED:
             fr = stack[-2]
-            if type(fr[ELEMENT]) is SEQ:  # the next sibling is a plain leaf: move to it directly
+            if fr[ELEMENT].frame_kind is SEQ:  # the next sibling is a plain leaf: move to it directly
                 elements = fr[ELEMENT].elements
                 pos = fr[SEQ_POS] + 1
                 if pos < len(elements) and type(elements[pos]).simple_leaf:

@@ -18,6 +18,7 @@ from typing import Any
 from ..program.elements import CALL, SEQ, Element
 from ..program.paths import format_path, walk
 from ..program.printer import call_text
+from .rewrite import is_call, is_seq
 
 __all__ = ["explain_fusion", "fused_steps"]
 
@@ -40,11 +41,11 @@ def explain_fusion(program: Element) -> str:
         return "fuse-torch: torch is not imported, so no CALL is a torch call: nothing is fused"
     weaves = under_weave(program)
     out: list[str] = []
-    in_seq = {path + (i,) for path, el in walk(program) if type(el) is SEQ for i in range(len(el.elements))}
+    in_seq = {path + (i,) for path, el in walk(program) if is_seq(el) for i in range(len(el.elements))}
     for path, el in walk(program):
-        if type(el) is CALL and path not in in_seq and _users_code(el.fn):
+        if is_call(el) and path not in in_seq and _users_code(el.fn):
             out.append(f"CALL at {format_path(path) or 'the root'} {_text(el)}: {ONE_STEP}")
-        if type(el) is not SEQ:
+        if not is_seq(el):
             continue
         where = f"SEQ at {format_path(path) or 'the root'}"
         if path in weaves:
@@ -61,7 +62,7 @@ def _seq(el: SEQ, path: tuple, where: str) -> list[str]:
     lines = [f"{where}: {fused} fused step{'s' if fused != 1 else ''} from {len(el.elements)} children"]
     in_run = {i: (a, b) for a, b in runs for i in range(a, b)}
     for i, child in enumerate(el.elements):
-        text = _text(child) if type(child) is CALL else child.kind
+        text = _text(child) if is_call(child) else child.kind
         if i in in_run:
             what = _in_run(path, *in_run[i], kinds[i])
         else:
@@ -75,7 +76,7 @@ def _kind(child: Element) -> str:
     from ..fused.codegen import is_barrier
     from ..fused.element import is_fusable
 
-    if type(child) is not CALL:
+    if not is_call(child):
         return "other"
     return "torch" if is_fusable(child.fn) else "backward" if is_barrier(child.fn) else "other"
 

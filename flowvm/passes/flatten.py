@@ -22,19 +22,19 @@ SEQ:
 
 from __future__ import annotations
 
-from ..program.elements import SEQ, Element
+from ..program.elements import Element
 from .registry import register_pass
-from .rewrite import rebuild, rewrite
+from .rewrite import is_seq, rebuild, rewrite
 
 
 def _plain(el: Element) -> bool:
     """A SEQ that only groups: no namespace mark, no dependency_overrides of its own."""
-    return (type(el) is SEQ and el.scope is None and not el.__dict__.get("_overrides")
+    return (is_seq(el) and el.scope is None and not el.__dict__.get("_overrides")
             and not el.__dict__.get("_settings"))
 
 
 def _visit(el: Element, path) -> Element:
-    if type(el) is not SEQ:
+    if not is_seq(el):
         return el
     out: list[Element] = []
     last = len(el.elements) - 1

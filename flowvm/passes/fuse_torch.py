@@ -43,7 +43,7 @@ from ..fused.codegen import is_barrier
 from ..fused.element import _MARK, FORMS, FUSED, FuseSettings, fusable, fused_step, is_fusable
 from ..program.paths import format_path
 from .registry import current_context, register_pass
-from .rewrite import rebuild, rewrite, under_weave
+from .rewrite import is_call, is_seq, rebuild, rewrite, under_weave
 
 __all__ = ["FUSED", "FuseSettings", "FusionWarning", "fusable", "is_fusable", "fuse_torch", "fused_step", "set_form"]
 
@@ -93,9 +93,9 @@ def _fuse_seq(el: SEQ, path: tuple[int, ...], settings: FuseSettings, ctx) -> El
         run.clear()
 
     for i, child in enumerate(el.elements):
-        if type(child) is CALL and is_fusable(child.fn) and not isinstance(child.store_to, tuple):  # (unpacking: eager)
+        if is_call(child) and is_fusable(child.fn) and not isinstance(child.store_to, tuple):  # (unpacking: eager)
             run.append((i, child))
-        elif type(child) is CALL and run and is_barrier(child.fn):
+        elif is_call(child) and run and is_barrier(child.fn):
             run.append((i, child))  # a backward pass ends the run, inside it: one resumable step
             flush()
         else:
@@ -123,7 +123,7 @@ def fuse_torch(program: Element, *, backend: Any = "inductor", mode: str | None 
     weaves = under_weave(program)
 
     def visit(el, path):
-        if type(el) is SEQ and path not in weaves:
+        if is_seq(el) and path not in weaves:
             return _fuse_seq(el, path, settings, ctx)
         return el
 
@@ -133,4 +133,4 @@ def fuse_torch(program: Element, *, backend: Any = "inductor", mode: str | None 
 def _any_marked(program: Element) -> bool:
     from ..program.paths import walk
 
-    return any(type(el) is CALL and getattr(el.fn, _MARK, False) for _, el in walk(program))
+    return any(is_call(el) and getattr(el.fn, _MARK, False) for _, el in walk(program))

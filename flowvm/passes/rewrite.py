@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..program.elements import WEAVE, Element
+from ..program.elements import CALL, SEQ, WEAVE, Element
 from ..program.kinds import KindTable
 
 
@@ -20,6 +20,17 @@ def rebuild(el: Element, children) -> Element:
     from ..editing.edit import rebuild
 
     return rebuild(el, children)
+
+def is_seq(el: Element) -> bool:
+    """A SEQ as the passes see it: the kind, or a subclass that keeps its frame and moves (``frame_kind``)."""
+    return el.frame_kind is SEQ
+
+
+def is_call(el: Element) -> bool:
+    """A CALL the passes may read and replace: the kind, or a subclass that runs as one (``frame_kind`` CALL, a
+    simple leaf); a CALL with Depends arguments (not a simple leaf: it resolves them when it runs) is not."""
+    return el.frame_kind is CALL and el.simple_leaf
+
 
 Visit = Callable[[Element, tuple[int, ...]], Element]
 

@@ -604,3 +604,11 @@ def test_a_model_that_cannot_be_written_is_one_line_after_a_finished_saved_run(t
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "--output" in out.stderr and "model(registers) gave a dict, which cannot be written" in out.stderr
     assert flowvm.read_header(ckpt)["done"]
+
+
+def test_a_progress_line_gives_a_slow_speed_in_significant_digits():
+    from flowvm.command.runner import rate_text
+
+    assert rate_text(1, 2.5) == "0.4 steps/s"  # one slow step is not "0 steps/s"
+    assert rate_text(3, 2.0) == "1.5 steps/s" and rate_text(1234, 2.0) == "617 steps/s"
+    assert rate_text(5, 0.0).endswith(" steps/s")

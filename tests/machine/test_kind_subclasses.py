@@ -305,3 +305,48 @@ def test_the_runs_left_that_a_leaf_sees_count_subclassed_loops():
 
     want = runs_left(KINDS)
     assert want == [6, 5, 4, 3, 2, 1, None, None, None] and runs_left(ALL) == want
+
+
+@pytest.mark.parametrize("shape", ["leaf", "seq", "woven"])
+def test_the_fast_paths_take_subclasses_of_repeat_and_seq_as_their_kinds(monkeypatch, shape):
+    # Driver._prepare asks the frame's kind (frame_kind), so a subclass that keeps its kind's moves runs on the
+    # same fast loops, as often, as the kind itself
+    from flowvm.machine import driver as driver_module
+
+    def program(k, reg):
+        body = k["CALL"](toy.inc, reg("a"), store_to=reg("a"))
+        if shape != "leaf":
+            body = k["SEQ"]([body, k["CALL"](toy.inc, reg("b"), store_to=reg("b"))])
+        loop = k["REPEAT"](40, body)
+        return k["WEAVE"](1, [loop, k["REPEAT"](3, k["CALL"](toy.inc, reg("c"), store_to=reg("c")))], weights=[8, 1]) \
+            if shape == "woven" else loop
+
+    def counted(k):
+        calls = []
+        for name in ("repeat_leaf", "repeat_seq", "repeat_woven"):
+            real = getattr(driver_module, name)
+            monkeypatch.setattr(driver_module, name,
+                                lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+        drv = program(k, Registers(a=0, b=0, c=0)).start()
+        drv.run()
+        monkeypatch.undo()
+        return calls, outcome(drv)
+
+    want_calls, want = counted(KINDS)
+    got_calls, got = counted(ALL)
+    assert want_calls and got_calls == want_calls
+    assert not diff(want, got)
+
+
+def test_the_passes_flatten_and_explain_subclasses_as_their_kinds():
+    from flowvm.passes.explain import explain_fusion
+
+    def program(k, reg):
+        return k["SEQ"]([k["SEQ"]([k["CALL"](toy.inc, reg("a"), store_to=reg("a"))]),
+                         k["SEQ"]([k["CALL"](toy.inc, reg("a"), store_to=reg("a")),
+                                   k["PRINT"](reg("a"))])])
+
+    plain, mine = program(KINDS, Registers(a=0)), program(ALL, Registers(a=0))
+    flat = flowvm.optimize(plain, passes=["flatten"])
+    assert str(flowvm.optimize(mine, passes=["flatten"])) == str(flat) != str(plain)
+    assert explain_fusion(mine) == explain_fusion(plain)
