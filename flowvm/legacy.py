@@ -1,4 +1,5 @@
-"""The module paths of flowvm 0.1 and 0.2, kept working for one release with a DeprecationWarning.
+"""The module paths of flowvm 0.1 and 0.2, and those of 0.3 renamed for what they hold, kept working for one
+release with a DeprecationWarning.
 
 flowvm 0.1 and 0.2 were flat modules (``flowvm.checkpoint``, ``flowvm.driver``, ...); they are now folders, one
 per layer (docs/architecture.md).  ``import flowvm.checkpoint`` and ``from flowvm.checkpoint import
@@ -19,15 +20,24 @@ import warnings
 
 # old module path -> the modules its names are in now, the first one being where the module went
 MOVED: dict[str, tuple[str, ...]] = {
+    # 0.3's modules renamed for what they hold (docs/architecture.md)
+    "flowvm.fused.internals": ("flowvm.fused.torch_internals",),
+    "flowvm.machine.history": ("flowvm.machine.metrics",),
+    "flowvm.machine.compile": ("flowvm.machine.leafcode",),
+    "flowvm.machine.running": ("flowvm.machine.live",),
+    "flowvm.program.element": ("flowvm.program.protocol",),
+    "flowvm.distributed.checkpoints": ("flowvm.distributed.coordinated",),
+    "flowvm.distributed.launching": ("flowvm.distributed.agent",),
+    # 0.1's and 0.2's flat modules
     "flowvm.analysis": ("flowvm.program.analysis",),
     "flowvm.checkpoint": ("flowvm.persist.checkpoint", "flowvm.persist.pickler", "flowvm.base.environment"),
-    "flowvm.cli": ("flowvm.command.cli", "flowvm.command.targets", "flowvm.command.common"),
-    "flowvm.compile": ("flowvm.machine.compile",),
+    "flowvm.cli": ("flowvm.command.cli", "flowvm.command.targets", "flowvm.command.runs", "flowvm.command.places"),
+    "flowvm.compile": ("flowvm.machine.leafcode",),
     "flowvm.data": ("flowvm.base.data",),
     "flowvm.depends": ("flowvm.machine.depends",),
     "flowvm.dot": ("flowvm.views.dot",),
     "flowvm.driver": ("flowvm.machine.driver", "flowvm.base.sentinels", "flowvm.machine.frames",
-                      "flowvm.machine.running", "flowvm.program.analysis"),
+                      "flowvm.machine.live", "flowvm.program.analysis"),
     "flowvm.edit": ("flowvm.editing.edit", "flowvm.editing.match"),
     "flowvm.elements": ("flowvm.program.elements",),
     "flowvm.environment": ("flowvm.base.environment",),
@@ -51,7 +61,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "flowvm.match": ("flowvm.editing.match",),
     "flowvm.pickler": ("flowvm.persist.pickler", "flowvm.base.environment"),
     "flowvm.remote": ("flowvm.persist.remote",),
-    "flowvm.running": ("flowvm.machine.running",),
+    "flowvm.running": ("flowvm.machine.live",),
     "flowvm.sentinels": ("flowvm.base.sentinels",),
     "flowvm.storage": ("flowvm.persist.storage",),
     "flowvm.version": ("flowvm.base.version",),

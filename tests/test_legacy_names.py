@@ -15,12 +15,19 @@ from flowvm.legacy import MOVED
 
 # old module, a name it had, the path the warning names
 OLD = [
+    ("flowvm.fused.internals", "aoti_library", "flowvm.fused.torch_internals.aoti_library"),
+    ("flowvm.machine.history", "attach", "flowvm.machine.metrics.attach"),
+    ("flowvm.machine.compile", "leaf_function", "flowvm.machine.leafcode.leaf_function"),
+    ("flowvm.machine.running", "__name__", None),
+    ("flowvm.program.element", "Leaf", "flowvm.Leaf"),
+    ("flowvm.distributed.checkpoints", "read_manifest", "flowvm.distributed.coordinated.read_manifest"),
+    ("flowvm.distributed.launching", "RankError", "flowvm.distributed.agent.RankError"),
     ("flowvm.analysis", "all_registers", "flowvm.program.analysis.all_registers"),
     ("flowvm.checkpoint", "read_header", "flowvm.read_header"),
     ("flowvm.checkpoint", "save", "flowvm.save"),
     ("flowvm.cli", "main", "flowvm.command.cli.main"),
     ("flowvm.cli", "parse_sets", "flowvm.command.targets.parse_sets"),
-    ("flowvm.compile", "leaf_function", "flowvm.machine.compile.leaf_function"),
+    ("flowvm.compile", "leaf_function", "flowvm.machine.leafcode.leaf_function"),
     ("flowvm.data", "Batches", "flowvm.Batches"),
     ("flowvm.depends", "Depends", "flowvm.Depends"),
     ("flowvm.dot", "to_dot", "flowvm.to_dot"),

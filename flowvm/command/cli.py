@@ -27,9 +27,9 @@ the file records (or ``--program``/``--set`` given) and loads the state into it,
 importing anything (see the section "state checkpoints" below).
 
 Checkpoint places are local paths or fsspec URLs (``s3://bucket/run.ckpt``, ``memory://...``; see
-flowvm.persist.storage).  The parser resolves each into a ``Location`` once (persist/location.py), which the
-commands ask from then on: its format (what resume and show do, ``RESUME``/``SHOW``; what of a file already
-there must not be replaced), whether a save can go there, its lock.
+flowvm.persist.storage).  The parser resolves each into a ``Location`` once (persist/location.py), about which
+the commands ask from then on the format registry (what resume and show do, ``RESUME``/``SHOW``; what of a
+file already there must not be replaced), the storage (whether a save can go there) and the lock.
 """
 
 from __future__ import annotations
@@ -41,11 +41,13 @@ import os
 import signal
 import sys
 
-from ..persist.formats import PICKLE
+from ..persist.formats import PICKLE, format_of
 from ..base.errors import UsageError, CheckpointError, FlowError, StoppedDuringStartup
 from ..base.tracebacks import format_user_error
 from .targets import build_program, bundled_programs, recorded
-from .common import KEY_ENV, check_checkpoint_path, check_model, saving_as_recorded, check_output, checkpoint_location, finish, key_of, module_of, refuse_to_overwrite, registers_summary, runner_for, set_threads, start_program, trusted_header, write_model
+from .places import KEY_ENV, check_checkpoint_path, checkpoint_location, key_of, refuse_to_overwrite, trusted_header
+from .runs import check_model, check_output, finish, module_of, runner_for, saving_as_recorded, set_threads, start_program, write_model
+from .values import registers_summary
 from .runner import DEFAULT_EVERY_SECONDS, Stop, static_steps
 from .state_commands import cmd_resume_state, cmd_show_checkpoint, cmd_show_state
 from .sweeps import cmd_plot, cmd_sweep, start_dask
@@ -61,7 +63,7 @@ def cmd_run(args) -> int:
     module, drv, values, threads = start_program(args)
     check_model(module, args.output)  # before the first step, not after the run
     if args.checkpoint is not None:  # a run the format cannot hold (a function in a state file) is refused now
-        args.checkpoint.format.check(drv, args.checkpoint)
+        format_of(args.checkpoint).check(drv, args.checkpoint)
     target = recorded(args.target)  # so that `flowvm resume` finds it from any directory
     meta = {"target": target, "module": module.__name__, "sets": list(args.set), **values,
             "show": list(getattr(module, "SHOW", [])), "threads": threads,
@@ -76,7 +78,7 @@ def cmd_run(args) -> int:
 def cmd_resume(args) -> int:
     if launch.wanted(args):
         return launch.cmd_resume(args)
-    return RESUME[args.path.format.name](args)
+    return RESUME[format_of(args.path).name](args)
 
 
 def cmd_resume_pickle(args) -> int:
@@ -107,7 +109,7 @@ def cmd_resume_pickle(args) -> int:
 
 def cmd_show(args) -> int:
     launch.complete_step(args)  # a data-parallel run's folder: its complete step
-    return SHOW[args.path.format.name](args)
+    return SHOW[format_of(args.path).name](args)
 
 
 # What resume and show do, by the format of the file given (persist/formats.py): a pickle checkpoint holds the

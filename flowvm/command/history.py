@@ -1,5 +1,5 @@
 """The history of a run's metrics on the command line: its SHOW registers (and those named with ``--history``)
-watched by the driver (``Driver.watch``, flowvm.machine.history: points at fixed steps, part of the run's
+watched by the driver (``Driver.watch``, flowvm.machine.metrics: points at fixed steps, part of the run's
 state, so a run stopped anywhere and resumed records exactly the points of the uninterrupted run).  The
 command also writes the history into every checkpoint's ``meta`` (plain JSON: ``flowvm plot`` reads it
 without loading the run), ``--tensorboard DIR`` writes the points as TensorBoard scalars (a resumed run's
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..machine import history
+from ..machine import metrics
 from ..base.errors import UsageError
 
 
@@ -21,7 +21,7 @@ class History:
 
     def __init__(self, drv, meta: dict, names: list[str], tensorboard: str | None = None):
         if drv.watched is None and meta.get("history"):  # a checkpoint whose run kept its history in meta only
-            history.adopt(drv, meta["history"])
+            metrics.adopt(drv, meta["history"])
         drv.watch(*names)
         self.drv = drv
         meta["history"] = drv.watched  # the same dict: every save writes the points so far

@@ -1,12 +1,12 @@
 """``flowvm run TARGET --nproc N`` and ``flowvm resume LOCATION``: data-parallel runs on torch.distributed.
 
 The command has two roles.  Given ``--nproc`` (or ``--nnodes``), it is the *launcher*: it starts torch's
-elastic agent (flowvm.distributed.launching), which starts the ranks, each running this same command line
+elastic agent (flowvm.distributed.agent), which starts the ranks, each running this same command line
 (``python -m flowvm ...``), restarts them after a lost rank (``--max-restarts``) and reports the rank that
 failed.  Started by an agent (ours or a plain ``torchrun -m flowvm run ...``: its environment names the
 process group), it is a *rank*: it starts the process group, builds the program (its ``Batches`` shard
 each epoch by rank), runs it in step with the other ranks and saves coordinated checkpoints in the folder
-or URL prefix ``--checkpoint`` names (flowvm.distributed.checkpoints).  Only rank 0 prints progress and the
+or URL prefix ``--checkpoint`` names (flowvm.distributed.coordinated).  Only rank 0 prints progress and the
 report, records the history, writes TensorBoard scalars and ``--output``.
 
 A rank restarted by the agent finds the checkpoint its run saved (same run id) and resumes from it.
@@ -32,11 +32,12 @@ from ..base.environment import cores
 from ..base.workers import die_with_parent
 from ..persist.location import Location
 from ..persist.lock import hold_as_rank, holding
-from ..distributed import checkpoints, group
-from ..distributed.launching import RankError, config, record_error, run_elastic
+from ..distributed import coordinated, group
+from ..distributed.agent import RankError, config, record_error, run_elastic
 from ..distributed.loop import DEFAULT_SYNC_EVERY, Synchronized
 from ..distributed.replicas import ReplicaError, per_rank_names
-from .common import check_output, finish, key_of, module_of, set_threads, start_program, write_model
+from .places import key_of
+from .runs import check_output, finish, module_of, set_threads, start_program, write_model
 from .history import History
 from .runner import DEFAULT_EVERY_SECONDS, rate_text, shown
 from .targets import recorded
@@ -70,7 +71,7 @@ def wanted(args) -> bool:
         return True
     if getattr(args, "nproc", None) is not None or getattr(args, "nnodes", 1) != 1:
         return True
-    return args.command == "resume" and checkpoints.is_checkpoint(args.path)
+    return args.command == "resume" and coordinated.is_checkpoint(args.path)
 
 
 def cmd_run(args) -> int:
@@ -88,11 +89,11 @@ def cmd_resume(args) -> int:
     location = _location(args.path)
     if args.program is not None or args.set:
         raise UsageError("--program and --set resume state checkpoints (.safetensors) only")
-    if not checkpoints.is_checkpoint(location):
-        raise UsageError(f"{location} holds no distributed checkpoint (no {checkpoints.MANIFEST})")
+    if not coordinated.is_checkpoint(location):
+        raise UsageError(f"{location} holds no distributed checkpoint (no {coordinated.MANIFEST})")
     if not group.launched():
         _check_options(args)
-        manifest = checkpoints.verify(location, key_of(args))  # a damaged file: one line, before any rank
+        manifest = coordinated.verify(location, key_of(args))  # a damaged file: one line, before any rank
         return _launch(args, manifest["world_size"] if args.nproc is None else args.nproc, location)
     return _as_rank(args, _resume_rank)
 
@@ -100,9 +101,9 @@ def cmd_resume(args) -> int:
 def complete_step(args) -> None:
     """A data-parallel run's location given to ``show`` or ``plot``: its manifest's complete step (the run
     rank 0 saved there, ``shared.ckpt``) in args.path instead."""
-    if checkpoints.is_checkpoint(args.path):
-        manifest = checkpoints.read_manifest(args.path, key_of(args))
-        args.path = Location.of(checkpoints.join(args.path, f"{manifest['folder']}/shared.ckpt"))
+    if coordinated.is_checkpoint(args.path):
+        manifest = coordinated.read_manifest(args.path, key_of(args))
+        args.path = Location.of(coordinated.join(args.path, f"{manifest['folder']}/shared.ckpt"))
 
 
 # ------------------------------------------------------------------ the launcher
@@ -158,8 +159,8 @@ def _location(value):
 
 
 def _refuse_unfinished(location, key) -> None:
-    if checkpoints.is_checkpoint(location):
-        manifest = checkpoints.read_manifest(location, key)
+    if coordinated.is_checkpoint(location):
+        manifest = coordinated.read_manifest(location, key)
         if not manifest.get("done"):
             raise UsageError(f"{location} holds an unfinished run (step {manifest.get('steps')}); "
                              f"continue it with `flowvm resume {location}`, or pass --force to start over")
@@ -272,8 +273,8 @@ def _run_rank(args) -> int:
     location, key = _location(args.checkpoint), key_of(args)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if location is not None and checkpoints.is_checkpoint(location):
-        manifest = checkpoints.read_manifest(location, key)
+    if location is not None and coordinated.is_checkpoint(location):
+        manifest = coordinated.read_manifest(location, key)
         if restart > 0 and manifest["meta"].get("run_id") == run_id:  # this run, restarted: from its checkpoint
             args.path = location
             return _resume_rank(args)
@@ -286,13 +287,13 @@ def _run_rank(args) -> int:
 
 def _resume_rank(args) -> int:
     location, key = _location(args.path), key_of(args)
-    manifest = checkpoints.read_manifest(location, key)
+    manifest = coordinated.read_manifest(location, key)
     meta = dict(manifest.get("meta") or {}, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
     module = module_of(meta)
     set_threads(args.threads)
     if args.every is None and args.every_seconds is None:
         args.every, args.every_seconds = meta.get("every"), meta.get("every_seconds")
-    drv = checkpoints.load(location, key, restore_settings=not getattr(args, "keep_settings", False))
+    drv = coordinated.load(location, key, restore_settings=not getattr(args, "keep_settings", False))
     if args.threads is not None:
         drv.resume_with(settings={"torch.threads": args.threads})
     meta = outputs.resume(args, meta)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .history import History
-from ..persist.location import Location
+from ..persist.formats import format_of
 from ..persist.lock import holding
 from ..persist.storage import read_start
 from ..machine.driver import Driver
@@ -105,7 +105,7 @@ class Runner:
                  progress: str = "auto", progress_every: float = 2.0, stop: Stop | None = None,
                  history: list[str] | None = None, tensorboard: str | None = None):
         self.drv, self.show, self.ckpt, self.every, self.meta, self.key = drv, show, ckpt, every, meta or {}, key
-        self.format = Location.of(ckpt).format if ckpt is not None else None
+        self.format = format_of(ckpt) if ckpt is not None else None
         self.history_names = list(show) + list(history or [])
         self.tensorboard = tensorboard
         self.stop = stop  # the command's, installed since its start; else run() installs its own

@@ -9,9 +9,9 @@ from ..persist.formats import PICKLE, STATE
 from .targets import build_program, recorded
 from ..persist import checkpoint
 from . import outputs
-from .common import (KEY_ENV, check_checkpoint_path, check_model, check_output, finish, module_of, printable,
-                     registers_summary, runner_for, saving_as_recorded, set_threads, trusted_header,
-                     write_model)
+from .places import KEY_ENV, check_checkpoint_path, trusted_header
+from .runs import check_model, check_output, finish, module_of, runner_for, saving_as_recorded, set_threads, write_model
+from .values import printable, registers_summary
 from ..base.errors import UsageError
 
 

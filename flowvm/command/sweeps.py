@@ -7,9 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..persist.formats import format_of
 from . import outputs
 from .targets import load_module, parse_sets
-from .common import check_checkpoint_path, check_output, finish, key_of, refuse_to_overwrite, runner_for, write_model
+from .places import check_checkpoint_path, key_of, refuse_to_overwrite
+from .runs import check_output, finish, runner_for, write_model
 from ..base.errors import UsageError
 
 
@@ -52,7 +54,7 @@ def cmd_sweep(args) -> int:
     check_checkpoint_path(args.checkpoint)
     refuse_to_overwrite(args.checkpoint, args.force)
     check_output(args.output)
-    if args.checkpoint is not None and not args.checkpoint.format.holds_code:
+    if args.checkpoint is not None and not format_of(args.checkpoint).holds_code:
         raise UsageError("a sweep saves pickle checkpoints (.ckpt): its trials' results hold models")
     module = load_module(args.target)
     fixed = parse_sets(args.set, module.build)
@@ -88,7 +90,7 @@ def cmd_plot(args) -> int:
 
     complete_step(args)  # a data-parallel run's folder: its complete step
     key = key_of(args)
-    header = args.path.format.read_header(args.path, key)
+    header = format_of(args.path).read_header(args.path, key)
     meta = header.get("meta") or {}
     history = meta.get("history") or {}
     names = args.names or [n for n in history.get("names", []) if history.get("points", {}).get(n)]

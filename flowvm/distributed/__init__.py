@@ -5,10 +5,10 @@ the ranks' models are checked to stay one (flowvm.distributed.replicas).  See do
 
 from .group import (AllRanksError, Rank0, SaveFailed, agree, backend, barrier, broadcast, gather, init, launched, local_rank, rank, rank0,
                     shutdown, world_size)
-from .checkpoints import is_checkpoint, read_manifest
-from .checkpoints import load as load_checkpoint
-from .checkpoints import save as save_checkpoint
-from .launching import Finished, RankError, launch
+from .coordinated import is_checkpoint, read_manifest
+from .coordinated import load as load_checkpoint
+from .coordinated import save as save_checkpoint
+from .agent import Finished, RankError, launch
 from .loop import DEFAULT_SYNC_EVERY, Synchronized
 from .replicas import ReplicaError
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from ..machine.runstate import save_wait
 from ..program.analysis import static_steps
-from . import checkpoints, group, replicas
+from . import coordinated, group, replicas
 
 __all__ = ["Synchronized", "DEFAULT_SYNC_EVERY"]
 
@@ -80,7 +80,7 @@ class Synchronized:
         if self.location is not None and (self.drv.steps != self.saved_step or not self.written):
             self.exact()
             self.check_replicas()
-            checkpoints.save(self.drv, self.location, self.key, self.meta)
+            coordinated.save(self.drv, self.location, self.key, self.meta)
             self.saved_step, self.saved_time, self.written = self.drv.steps, time.monotonic(), True
 
     def exact(self) -> None:

@@ -76,7 +76,7 @@ def held(drv, per_rank: frozenset[str] = frozenset()) -> list[tuple[str, str, An
     own parameters are part of it), registers first (so a value is named by its register), each once; the
     registers declared per-rank, and what is reachable only through them, left out."""
     from ..persist.culprit import DEPTH, program_places, values_in
-    from ..program.element import Element
+    from ..program.protocol import Element
 
     if ANY in per_rank or "torch" not in sys.modules:
         return []

@@ -135,7 +135,7 @@ class Matches(Sequence):
         return become(self.target, edited)
 
     def _check_driver_patch(self) -> None:
-        from ..machine.running import drivers_mid_step
+        from ..machine.live import drivers_mid_step
 
         if self.target in drivers_mid_step():
             raise EditError(f"the driver is running a step (step {self.target.steps}): a patch made by a "
@@ -161,7 +161,7 @@ class Matches(Sequence):
 
 def _check_not_running(target: Element) -> None:
     """An edit in place of target is refused while a driver runs it (or runs a step of a program holding it)."""
-    from ..machine.running import drivers_mid_step, running_in
+    from ..machine.live import drivers_mid_step, running_in
     from ..program.printer import describe
 
     for busy in drivers_mid_step():

@@ -233,7 +233,7 @@ def become(root: Element, edited: Element) -> Element:
     object.__setattr__(root, "__class__", type(edited))
     root.__dict__.clear()
     root.__dict__.update(edited.__getstate__())
-    from ..machine.running import refresh_drivers_holding
+    from ..machine.live import refresh_drivers_holding
     from ..program.elements import subtrees_changed
 
     subtrees_changed()  # the subtrees of everything holding root changed: their analyses are stale

@@ -54,9 +54,9 @@ def plain_tensor(a: Any) -> bool:
 
 def aoti_available() -> bool:
     """Whether this torch loads AOTInductor packages and this program can start a python child."""
-    from . import internals
+    from . import torch_internals
 
-    return internals.aoti_loadable() and not getattr(sys, "frozen", False)
+    return torch_internals.aoti_loadable() and not getattr(sys, "frozen", False)
 
 
 def holds_state(value: Any) -> bool:
@@ -88,9 +88,9 @@ def torch_function(fn: Any) -> bool:
 
     import torch
 
-    from . import internals
+    from . import torch_internals
 
-    if internals.is_op_overload(fn):
+    if torch_internals.is_op_overload(fn):
         return True
     if not isinstance(fn, (types.BuiltinFunctionType, types.FunctionType, types.MethodDescriptorType,
                            types.WrapperDescriptorType)):
@@ -100,7 +100,7 @@ def torch_function(fn: Any) -> bool:
         return False  # a bound method: its object is state
     module = getattr(fn, "__module__", None) or getattr(owner, "__name__", None) or ""
     if isinstance(fn, (types.MethodDescriptorType, types.WrapperDescriptorType)):
-        return getattr(fn, "__objclass__", None) in (torch.Tensor, internals.tensor_base())
+        return getattr(fn, "__objclass__", None) in (torch.Tensor, torch_internals.tensor_base())
     return module == "torch" or module.startswith(("torch.", "torch._C"))
 
 

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import internals
+from . import torch_internals
 from .effects import refused_node
 from .refused import Refused
 from .stateful import BACKWARD, FORWARD, META
@@ -76,7 +76,7 @@ def guard(job: dict) -> Guarded:
     def step(*a):
         with contextlib.ExitStack() as stack:
             for module, bind in zip(modules, binds):
-                stack.enter_context(internals.reparametrized(module, {k: a[i] for k, i in bind.items()}))
+                stack.enter_context(torch_internals.reparametrized(module, {k: a[i] for k, i in bind.items()}))
             return head(*a[n:])
 
     reads = None
@@ -134,7 +134,7 @@ def graphs(job: dict, g: Guarded, e: Effects) -> Graphs:
     def record(kind, gm, example_inputs):
         found[kind] = (gm, [(tuple(x.shape), tuple(x.stride()), x.dtype) for x in example_inputs])
 
-    traced = internals.aot_capture(lambda *a: tuple(distinct(g.step(*a))[0]), record)
+    traced = torch_internals.aot_capture(lambda *a: tuple(distinct(g.step(*a))[0]), record)
     with torch.set_grad_enabled(job["grad"]):
         got = traced(*_fresh(job, g))
         if any(e.needs):
@@ -241,4 +241,4 @@ def _package(gm: Any, layouts: list, path: str, options: dict) -> None:
             return tuple(self.gm(*a))
 
     args = tuple(torch.empty_strided(shape, stride, dtype=dtype).zero_() for shape, stride, dtype in layouts)
-    internals.aoti_package(Graph(), args, path, options)
+    torch_internals.aoti_package(Graph(), args, path, options)

@@ -77,7 +77,7 @@ class Choosing:
         """Whether an earlier run measured a step of this hint faster eagerly and this run ends before it would
         measure it again (``_adopt``'s recheck, from the REPEATs' counts): then it runs eagerly at once,
         without pickling the step for its key or loading anything."""
-        from ..machine.running import remaining_runs
+        from ..machine.live import remaining_runs
 
         known = cache.hinted(hint)
         if known is None or known["compiled"]:

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 
-from . import internals
+from . import torch_internals
 from .codegen import barrier_index
 from .isolation import isolate_random_state, isolate_tracing
 from .checks import holds_state, mismatch, plain_graph, plain_tensor, torch_function
@@ -182,7 +182,7 @@ def inductor_after_tracing(s, traced: threading.Event, check: Callable | None = 
     """Inductor as torch.compile runs it (``mode``, ``options``, ``dynamic``), setting ``traced``
     when AOTAutograd hands its first graph (on fake tensors) to inductor's inner compiler, ``check(gm)``
     seeing each graph first."""
-    return internals.inductor_after_tracing(s.mode, dict(s.options), s.dynamic, traced, check)
+    return torch_internals.inductor_after_tracing(s.mode, dict(s.options), s.dynamic, traced, check)
 
 
 def direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
@@ -208,10 +208,10 @@ def direct_compile(rt: Runtime, args: tuple, inference: bool) -> tuple | None:
     except Unchecked:
         return None
     try:
-        gm = internals.fake_trace(rt.generated.head, args)
+        gm = torch_internals.fake_trace(rt.generated.head, args)
         if plain_graph(gm) is not None:
             return None  # in-place, view or random ops, or results that are not new tensors: left to dynamo
-        fn = internals.inductor_graph(gm, list(args), dict(rt.settings.options))
+        fn = torch_internals.inductor_graph(gm, list(args), dict(rt.settings.options))
     except Exception:
         return None
     layouts = tuple((type(a), a.dtype, a.device, a.shape, a.stride()) for a in args)

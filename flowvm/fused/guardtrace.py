@@ -1,7 +1,7 @@
 """In the child process: what a stateful step's code of the user's reads, from dynamo's trace of it
 (flowvm/fused/guards.py describes the guards and checks them in the program's process).  The stages: the
 functions pickled by value and their globals (``_by_value_globals``), dynamo's trace as one graph with no
-other effect (``internals.dynamo_trace``), the globals it added (``_imports``), each guard as the parent
+other effect (``torch_internals.dynamo_trace``), the globals it added (``_imports``), each guard as the parent
 checks it (``_guard``), and the values a module pickled partly by value reads both ways (``_same_in_both``).
 Each refusal is a ``Refused`` naming what the parent could not check."""
 
@@ -14,7 +14,7 @@ import sys
 import types
 from typing import Any, Callable
 
-from . import internals
+from . import torch_internals
 from .guards import GUARD_CHECKS, GLOBALS_OF, GUARD_NAMES, SKIPPED_GUARDS, STATE_GUARD, class_names, user_classes, describe
 from .refused import Refused
 
@@ -114,10 +114,10 @@ def _stand_ins(by_value: dict[str, dict], saved: dict[str, Any]) -> dict[str, An
     return made
 
 
-def _dynamo(head: Callable, inputs: list, grad: bool) -> internals.DynamoTrace:
+def _dynamo(head: Callable, inputs: list, grad: bool) -> torch_internals.DynamoTrace:
     """Dynamo's trace of the step as one graph changing no object of the program's (raises Refused)."""
     try:
-        seen = internals.dynamo_trace(head, inputs, grad)
+        seen = torch_internals.dynamo_trace(head, inputs, grad)
     except Exception as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise Refused(f"dynamo cannot trace it as one graph ({first})") from None
@@ -135,7 +135,7 @@ def _imports(extra: dict[str, Any]) -> dict[str, str]:
             imports[name] = value.__name__
         elif value is vars(builtins):
             imports[name] = "builtins.__dict__"
-        elif internals.is_globals_scope(name):
+        elif torch_internals.is_globals_scope(name):
             module = value.get("__name__") if isinstance(value, dict) else None
             if not isinstance(module, str):
                 raise Refused(f"it reads the globals of code that is not a module's ({name})")
@@ -153,7 +153,7 @@ def _by_value_scopes(extra: dict[str, Any], made: dict[str, Any], saved: dict[st
     for key, value in extra.items():
         if isinstance(value, types.ModuleType) and value.__name__ in real and value is made[value.__name__]:
             found[key] = saved[value.__name__]
-        elif internals.is_globals_scope(key) and isinstance(value, dict):
+        elif torch_internals.is_globals_scope(key) and isinstance(value, dict):
             name = value.get("__name__")
             if name in real and value is not vars(saved[name]):
                 found[key] = vars(saved[name])

@@ -20,7 +20,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from . import internals
+from . import torch_internals
 
 _lock = threading.Lock()
 _installed = False
@@ -45,7 +45,7 @@ def isolate_tracing(thread: threading.Thread) -> bool:
     with _lock:
         if _installed:
             return True
-        patcher = internals.fx_patcher()
+        patcher = torch_internals.fx_patcher()
         if patcher is None or not hasattr(patcher, "patch") or not hasattr(patcher, "patch_method"):
             return False  # pragma: no cover - another torch layout
         patch, patch_method = patcher.patch, patcher.patch_method
@@ -121,5 +121,5 @@ def isolate_random_state(thread: threading.Thread) -> None:
         # per thread: setting them back on the compile thread changes nothing of the program's)
         thread_aware(torch, "set_default_dtype")
         thread_aware(torch, "use_deterministic_algorithms")
-        thread_aware(internals.torch_c(), "_set_fp32_precision_setter")
+        thread_aware(torch_internals.torch_c(), "_set_fp32_precision_setter")
         _rng_installed = True

@@ -7,14 +7,14 @@ import json
 import os
 from typing import Any, Callable
 
-from . import internals
+from . import torch_internals
 from .checks import mismatch
 from .childcompile import distinct as _distinct
 from .stateful import BACKWARD, FORWARD, META, Plan
 
 
 def _loader(path: str) -> Any:
-    return internals.aoti_loader(path)
+    return torch_internals.aoti_loader(path)
 
 
 class Kernel:

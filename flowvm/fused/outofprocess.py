@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import checks, internals, resources
+from . import checks, torch_internals, resources
 from .refused import Refused
 from .checks import aoti_available, holds_state, plain_graph, plain_tensor, settings, torch_function
 from .compiler import _at_exit
@@ -41,7 +41,7 @@ STARVE_SHARE = 0.05
 POLL = 1.0
 EXIT_WAIT = 5.0           # seconds the program's end waits for the compiles' threads once their children are stopped
 PACKAGE = "step.pt2"
-LIBRARY = "step.so"        # the package's library alone, when that is all it needs (internals.aoti_library)
+LIBRARY = "step.so"        # the package's library alone, when that is all it needs (torch_internals.aoti_library)
 JOB = "job.pkl"
 RETRY = 4                 # the child's exit status when it was short of resources (tried again later)
 _children: set[subprocess.Popen] = set()
@@ -110,8 +110,8 @@ def load_plain(workdir: str) -> Callable:
     """The package of a plain job: a list of input tensors to a list of output tensors."""
     library = os.path.join(workdir, LIBRARY)
     if os.path.exists(library):
-        return internals.aoti_runner(library).run
-    return internals.aoti_loader(os.path.join(workdir, PACKAGE)).run
+        return torch_internals.aoti_runner(library).run
+    return torch_internals.aoti_loader(os.path.join(workdir, PACKAGE)).run
 
 
 CHILD = "import sys; from flowvm.fused.outofprocess import main; sys.exit(main(sys.argv[1:]))"
@@ -338,7 +338,7 @@ def _compile(workdir: str) -> int:
         return 0
     head = job["head"]
     args = tuple(torch.empty_strided(shape, stride, dtype=dtype).zero_() for shape, stride, dtype in job["layouts"])
-    gm = internals.fake_trace(head, args)
+    gm = torch_internals.fake_trace(head, args)
     reason = plain_graph(gm)
     if reason is not None:
         print(json.dumps({"refused": reason}))
@@ -348,8 +348,8 @@ def _compile(workdir: str) -> int:
         def forward(self, *inputs):
             return head(*inputs)
 
-    internals.aoti_package(Step(), args, os.path.join(workdir, PACKAGE), job["options"])
-    internals.aoti_library(os.path.join(workdir, PACKAGE), os.path.join(workdir, LIBRARY))
+    torch_internals.aoti_package(Step(), args, os.path.join(workdir, PACKAGE), job["options"])
+    torch_internals.aoti_library(os.path.join(workdir, PACKAGE), os.path.join(workdir, LIBRARY))
     print(json.dumps({"ok": True}))
     return 0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import cache, internals, jobs, outofprocess, resources
+from . import cache, torch_internals, jobs, outofprocess, resources
 from .compiler import compile_seconds as compiler_seconds
 
 
@@ -20,7 +20,7 @@ class Packaged:
         s = self.settings
         return not (s.compile_in != "process" or s.backend != "inductor" or s.mode not in (None, "default")
                     or s.dynamic or s.form == "eager" or self._direct is not None or self.refused is not None
-                    or torch.is_inference_mode_enabled() or internals.autocast_enabled())
+                    or torch.is_inference_mode_enabled() or torch_internals.autocast_enabled())
 
     def _out_of_process(self, args) -> bool:
         """Start compiling the head for these inputs in a child process (flowvm/fused/outofprocess.py), when

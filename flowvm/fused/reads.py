@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 from ..program.printer import call_text
 from ..program.registers import Register
-from . import internals
+from . import torch_internals
 from .checks import torch_function
 from .refused import Refused
 
@@ -170,21 +170,21 @@ class _State:
     def __init__(self):
         import torch
 
-        self.guard = internals.global_state_guard()
+        self.guard = torch_internals.global_state_guard()
         self.values = self._read(torch)
 
     @staticmethod
     def _read(torch: Any) -> tuple:
         return (torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                internals.autocast_enabled(), torch.are_deterministic_algorithms_enabled(),
-                torch.get_float32_matmul_precision(), torch.get_num_threads(), internals.mkldnn_enabled()(),
-                *(depth() for depth in internals.mode_depths()))
+                torch_internals.autocast_enabled(), torch.are_deterministic_algorithms_enabled(),
+                torch.get_float32_matmul_precision(), torch.get_num_threads(), torch_internals.mkldnn_enabled()(),
+                *(depth() for depth in torch_internals.mode_depths()))
 
     def source(self, ns: dict) -> list[str]:
         import torch
 
-        ns["_state_modes"] = internals.mode_depths()
-        ns["_state_mkldnn"] = internals.mkldnn_enabled()
+        ns["_state_modes"] = torch_internals.mode_depths()
+        ns["_state_mkldnn"] = torch_internals.mkldnn_enabled()
         parts = [f"_state_modes[0]() == {self.values[-2]}", f"_state_modes[1]() == {self.values[-1]}",
                  f"_state_mkldnn() is {self.values[-3]}"]
         if self.guard is not None:  # the default dtype, grad, inference, autocast, deterministic, matmul, threads

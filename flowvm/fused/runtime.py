@@ -42,7 +42,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from ..base.errors import FusionWarning
-from ..machine.running import remaining_runs
+from ..machine.live import remaining_runs
 from . import cache
 from .choosing import MIN_TRIAL_SECONDS, Choosing, microseconds  # noqa: F401  (MIN_TRIAL_SECONDS: the trials' knob)
 from .checks import collective

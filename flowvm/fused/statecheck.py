@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from . import internals
+from . import torch_internals
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,7 +96,7 @@ def ready_check(p: Any) -> Callable[[], list | None]:
 
     ns: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled, "strided": torch.strided,
                           "default_dtype": torch.get_default_dtype, "dtype": torch.get_default_dtype(),
-                          "function_modes": internals.mode_depths()[0], "dispatch_modes": internals.mode_depths()[1]}
+                          "function_modes": torch_internals.mode_depths()[0], "dispatch_modes": torch_internals.mode_depths()[1]}
     lines = ["def ready():"]
     # the grad mode, the default dtype the child compiled with, no torch function or dispatch mode (which
     # torch.set_default_device is)

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import internals
+from . import torch_internals
 from .checks import aoti_available, holds_state, plain_tensor, settings, torch_code, torch_function
 from .refused import Refused
 from .statecheck import HOOK_ATTRS, global_hooks, internal_module_classes, ready_check
@@ -153,9 +153,9 @@ def _process(args: tuple) -> None:
         raise Refused("this torch cannot load AOTInductor packages, or this program cannot start python")
     if not args or not all(plain_tensor(a) and a.device.type == "cpu" for a in args):
         raise Refused("an input that is not a plain CPU tensor needing no gradient")
-    if torch.is_inference_mode_enabled() or internals.autocast_enabled():
+    if torch.is_inference_mode_enabled() or torch_internals.autocast_enabled():
         raise Refused("inference mode or autocast")
-    if any(depth() for depth in internals.mode_depths()):
+    if any(depth() for depth in torch_internals.mode_depths()):
         raise Refused("a torch function or dispatch mode (torch.set_default_device, say)")
 
 

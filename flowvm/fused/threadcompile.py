@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from ..base.errors import WarmedUp as _WarmedUp
-from . import internals, resources
+from . import torch_internals, resources
 from .callcheck import CallCheck
 from .codegen import barrier_index
 from .effects import refused_dynamo_graph, refused_graph
@@ -23,7 +23,7 @@ from .compiler import compiler_ready, direct_compile, inductor_after_tracing, ba
 from .compiler import compile_seconds as compiler_seconds
 
 compile_tls = threading.local()
-run_only = internals.run_only
+run_only = torch_internals.run_only
 
 
 class ThreadCompile:
@@ -87,8 +87,8 @@ class ThreadCompile:
         elif s.backend == "inductor":
             inner = inductor_after_tracing(s, self._traced, self._check_graph)
         else:
-            inner = internals.lookup_backend(s.backend)
-        if s.backend == "inductor" or internals.is_aot_backend(inner):
+            inner = torch_internals.lookup_backend(s.backend)
+        if s.backend == "inductor" or torch_internals.is_aot_backend(inner):
             # AOTAutograd reads the real inputs again (their .grad too) before compiling: inductor
             # tells when that is over; for other AOT backends the program waits for the whole compile
             traced_at_entry = False
@@ -99,7 +99,7 @@ class ThreadCompile:
             why = refused_dynamo_graph(gm)  # an assertion in code of yours, say
             if why is not None:
                 raise Refused(why)
-            with internals.lowering_backward_now():  # the backward now, not at the first backward() later
+            with torch_internals.lowering_backward_now():  # the backward now, not at the first backward() later
                 fn = inner(gm, example_inputs)
 
             def run(*a):
@@ -144,7 +144,7 @@ class ThreadCompile:
                                          dynamic=self.settings.dynamic)
                 self._runonly = run_only(self.generated.head)
                 self._compiled = compiled
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad), internals.aten_graphs_seen():
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), torch_internals.aten_graphs_seen():
                 self._compiled(*args)
         except _WarmedUp:
             if self._direct is None:

@@ -45,7 +45,7 @@ from typing import Any, Callable
 from ..pickled import stable
 from .driver import Driver
 from .frames import ELEMENT
-from ..program.element import store_source
+from ..program.protocol import store_source
 from ..program.elements import CALL, provide
 from ..base.errors import FlowError
 from ..program.registers import Register, Registers, has_registers, resolve, same_kind_of_dict

@@ -22,9 +22,9 @@ from time import monotonic
 from typing import Any
 
 from ..pickled import stable
-from . import history
+from . import metrics
 from . import fastpaths
-from .compile import leaf_function
+from .leafcode import leaf_function
 from .fastpaths import repeat_leaf, repeat_seq, repeat_woven
 from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, WEAVE_FINISHED, child_index, credit_weaves,
                      marks, settle, take_turn)
@@ -97,13 +97,13 @@ class Driver(RunStateAccess):
     # only the step that moves to a sibling leaf sets _leaf (and keeps _around: the same WEAVEs hold it).
     # The fields stay plain attributes of the driver: the fast paths read them at every step.
     PLAN = ("_leaf", "_fast", "_step_fast", "_fastseq", "_around", "_woven")
-    _leaf = None  # the next leaf's function (compile.leaf_function, or its bind())
+    _leaf = None  # the next leaf's function (leafcode.leaf_function, or its bind())
     _fast = None  # the REPEAT frame repeating that leaf, when it is a simple leaf (fastpaths.repeat_leaf)
     _step_fast = None  # _fast, for step(): None when watched (each step then records through the general path)
     _fastseq = None  # (REPEAT frame, SEQ frame) when the leaf is in a SEQ of plain leaves that a REPEAT repeats
     _around = None  # the WEAVE frames on the stack, when there are any
     _woven = None  # (WEAVE frames, REPEAT frame, SEQ frame or None): either shape above, inside WEAVEs
-    _watch = None  # the run's history of metrics, when watched (see flowvm.machine.history)
+    _watch = None  # the run's history of metrics, when watched (see flowvm.machine.metrics)
     # Plain state (pickled): the index of the outermost of the frames that the last settle entered
     # and that have taken no step since (from there up to the next leaf); None: the leaf alone.
     _fresh = None
@@ -136,7 +136,7 @@ class Driver(RunStateAccess):
                 return INCOMPLETE
         result = self._drive(self.steps + 1, None, None, False)  # one step of the general path
         if self._watch is not None:
-            history.record(self)
+            metrics.record(self)
         return result
 
     def run(self, max_steps: int | None = None, timeout: float | None = None) -> Any:
@@ -148,7 +148,7 @@ class Driver(RunStateAccess):
         pending POPEN or SPAWN, run() sleeps on them instead of polling.
         """
         if self._watch is not None:
-            return history.run(self, step_limit(self.steps, max_steps), deadline_after(timeout))
+            return metrics.run(self, step_limit(self.steps, max_steps), deadline_after(timeout))
         return self._drive(step_limit(self.steps, max_steps), deadline_after(timeout), None, True)
 
     async def arun(self, max_steps: int | None = None, timeout: float | None = None,
@@ -176,14 +176,14 @@ class Driver(RunStateAccess):
         idle = _Idle()
         while True:
             idle.stopped = False
-            cap = limit if self._watch is None else min(limit, history.due_after(self))
+            cap = limit if self._watch is None else min(limit, metrics.due_after(self))
             if steps_per_yield is None:  # a time slice, ending at the deadline at the latest
                 end = monotonic() + yield_every
                 self._drive(cap, end if deadline is None or end < deadline else deadline, idle, False)
             else:
                 self._drive(min(cap, self.steps + steps_per_yield), deadline, idle, False)
             if self._watch is not None:
-                history.record(self)
+                metrics.record(self)
             if self.done:
                 return self.result
             if self.steps >= limit or (deadline is not None and monotonic() >= deadline):
@@ -201,7 +201,7 @@ class Driver(RunStateAccess):
         """The loop of run(), arun() and step(): with block=False it returns instead of waiting on pending
         leaves.  The one place the general path calls a leaf (the fast paths call theirs in their own
         loops: docs/architecture.md)."""
-        try:  # (flowvm.machine.running finds a driver mid-step by this method's frame)
+        try:  # (flowvm.machine.live finds a driver mid-step by this method's frame)
             while True:
                 if self.steps >= limit and not self.done:
                     return INCOMPLETE  # checked first: run(max_steps=0) enters nothing
@@ -457,7 +457,7 @@ class Driver(RunStateAccess):
         """
         from ..program.analysis import static_steps
 
-        history.watch(self, names, every, static_steps(self.program))
+        metrics.watch(self, names, every, static_steps(self.program))
         self._step_fast = None  # step() records the history now: no more of the fast path that would not
         return self
 
@@ -520,8 +520,8 @@ class Driver(RunStateAccess):
 
 provide("start", Driver)  # Element.start()
 # The drivers in the middle of a step in this context, innermost first, as a chain (driver, outer chain) ending
-# in (): set by step() and by the loop of run() and arun(), read by flowvm.machine.running.
-DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()  # drivers started in this process (see flowvm.machine.running)
+# in (): set by step() and by the loop of run() and arun(), read by flowvm.machine.live.
+DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()  # drivers started in this process (see flowvm.machine.live)
 
 
 def _check_yields(steps_per_yield: int | None, yield_every: float) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from time import monotonic
 
-from .compile import leaf_function
+from .leafcode import leaf_function
 from .frames import (ELEMENT, REPEAT_I, REPEAT_LAST, REPEAT_N, SEQ_POS, WEAVE_ACTIVE, WEAVE_CREDITS, WEAVE_FINISHED,
                      pass_turn, repeat_counted, repeat_seq_counted, rotate_weaves, seq_finished, seq_restarted,
                      seq_moved, set_credits, turn_passed_in_repeat, turn_used)

@@ -13,7 +13,7 @@ from typing import Any
 from ..base.environment import apply_random, apply_settings, capture_random, capture_settings, check_settings
 from ..base.sentinels import NOVALUE
 from ..program.elements import Element
-from . import history
+from . import metrics
 
 
 @dataclass
@@ -26,7 +26,7 @@ class RunState:
     top (``NOVALUE`` when none); ``ready``: the driver sits just before its next leaf; ``rotate``: a WEAVE's
     turn is due at the next settle; ``fresh``: the index of the outermost frame that the last settle entered
     and that has taken no step since (None: the leaf alone); ``history``: the watched registers' points
-    (flowvm.machine.history) or None; ``environment``: the global random states and settings a copy resumes
+    (flowvm.machine.metrics) or None; ``environment``: the global random states and settings a copy resumes
     with (``{"random", "settings", "announce"}``, flowvm.base.environment) or None.
     """
 
@@ -66,7 +66,7 @@ class RunStateAccess:
         self._stack = list(state.frames)
         self._carry, self._ready, self._rotate, self._fresh = state.carry, state.ready, state.rotate, state.fresh
         self.__dict__.pop("_watch", None)
-        history.adopt(self, state.history)
+        metrics.adopt(self, state.history)
         self.invalidate()
         if state.environment is not None:
             self.saved_environment = state.environment
@@ -91,7 +91,7 @@ class RunStateAccess:
 
     @property
     def watched(self) -> dict | None:
-        """The history's own plain data (``{"every", "auto", "names", "points"}``, flowvm.machine.history), kept
+        """The history's own plain data (``{"every", "auto", "names", "points"}``, flowvm.machine.metrics), kept
         up to date as the run goes (so a holder of it sees new points), or None when unwatched."""
         return self._watch
 

@@ -117,7 +117,7 @@ def _runs(kinds: list[str]) -> list[tuple[int, int]]:
 def _why_not(child: Element, kind: str, siblings: int) -> str:
     if kind == "backward":
         return "a backward pass with no torch calls before it: it runs eagerly, as a step of its own"
-    if type(child) is not CALL:
+    if not is_call(child):
         return f"a {child.kind}: it ends the run of torch calls before it (its own SEQs are looked at)"
     fn = child.fn
     if getattr(fn, "__flowvm_fusable__", None) is False:  # (flowvm.fused.element's mark)

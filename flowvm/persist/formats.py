@@ -13,9 +13,7 @@ tell whether a file is one.
 ``Format.check`` refuses a run the format cannot hold before it starts, ``Format.starts_like(first
 bytes)`` whether a file looks like one of its files, and ``Format.in_the_way(location)`` what of a file already
 at a place must not be replaced silently: ``("unfinished", text)`` for an unfinished run of the format,
-``("foreign", text)`` for a file that is none of its, None when nothing is lost.  A Location is asked for its
-format (``Location.format``), which is this module's ``format_of``.
-"""
+``("foreign", text)`` for a file that is none of its, None when nothing is lost.  """
 
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..base.errors import CheckpointError
-from . import checkpoint, state
+from . import checkpoint, state, storage
 from .location import Location
 
 __all__ = ["Format", "FORMATS", "PICKLE", "STATE", "format_of"]
@@ -62,7 +60,7 @@ def _unfinished(loc: Location, header: dict) -> tuple[str, str] | None:
 
 def _pickle_in_the_way(loc: Location) -> tuple[str, str] | None:
     try:
-        start = loc.read_start(MAGIC_BYTES, missing_ok=True)
+        start = storage.read_start(loc, MAGIC_BYTES, missing_ok=True)
     except CheckpointError:
         if loc.url is not None:
             raise  # the store's problem (no bucket, no access): the caller names it

@@ -13,9 +13,9 @@ once per call:
 
 ``given`` is what the caller gave: errors name it, and ``saved`` is what a save returns (a Path for a local
 file, the URL for any other).  The command resolves ``--checkpoint`` and a checkpoint argument into a Location
-once, when it parses them, and asks it from then on: its ``format`` (formats.py: which functions save and load
-it, whether the file holds the program, what of a file already there must not be replaced), ``check_target()``
-(can a save go there) and ``read_start()``.
+once, when it parses them, and from then on asks about it the format registry (``formats.format_of``: which
+functions save and load it, whether the file holds the program, what of a file already there must not be
+replaced), the storage (can a save go there, its first bytes) and the lock.
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ __all__ = ["Location"]
 class Location:
     """A checkpoint's place: a local file (``path``) or an fsspec URL (``url``), with ``given`` as given."""
 
-    __slots__ = ("given", "path", "url", "scheme", "_fs", "_format")
+    __slots__ = ("given", "path", "url", "scheme", "_fs")
 
     def __init__(self, given: Any, path: Path | None, url: str | None, scheme: str | None):
         self.given, self.path, self.url, self.scheme = given, path, url, scheme
         self._fs: tuple[Any, str] | None = None
-        self._format: Any = None
 
     @classmethod
     def of(cls, target: Any) -> "Location":
@@ -68,27 +67,6 @@ class Location:
             fs, path, _ = filesystem(self.url)
             self._fs = (fs, path)
         return self._fs
-
-    @property
-    def format(self):
-        """The checkpoint format of this place, chosen by its suffix (formats.py)."""
-        if self._format is None:
-            from .formats import format_of
-
-            self._format = format_of(self)
-        return self._format
-
-    def check_target(self) -> None:
-        """Raise a CheckpointError if a save cannot go here for a reason known before saving (storage.py)."""
-        from .storage import check_target
-
-        check_target(self)
-
-    def read_start(self, n: int, missing_ok: bool = False) -> bytes | None:
-        """The first n bytes of the file here (None for a missing one with missing_ok), read through its store."""
-        from .storage import read_start
-
-        return read_start(self, n, missing_ok)
 
     @property
     def saved(self) -> Path | str:

@@ -63,7 +63,7 @@ def rebuild_driver(state: dict):
     """A copy of a driver, from Driver.__getstate__; its saved random states and settings are checked
     here (a malformed one is a CheckpointError naming the generator or setting) and set by its first
     step."""
-    from ..machine import history
+    from ..machine import metrics
     from ..machine.driver import DRIVERS, Driver
 
     resume = state.get("_resume")
@@ -75,7 +75,7 @@ def rebuild_driver(state: dict):
                             "announce": bool(resume.get("announce", True))}
     drv = Driver.__new__(Driver)
     drv.__dict__.update(state)
-    history.attach(drv)  # a watched run's step records its points again
+    metrics.attach(drv)  # a watched run's step records its points again
     DRIVERS.add(drv)
     return drv
 

@@ -17,7 +17,7 @@ import numbers
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..pickled import stable
-from .element import (TOOLS, Element, Leaf, check_count, check_element, check_target, provide,  # noqa: F401
+from .protocol import (TOOLS, Element, Leaf, check_count, check_element, check_target, provide,  # noqa: F401
                       subtrees_changed, tool)  # (re-exported: the names every layer imports from here)
 from .registers import Register, iter_registers
 

@@ -13,7 +13,7 @@ import types
 from typing import Any
 
 from .elements import BUFFER, CALL, LOOP, PRINT, REPEAT, SEQ, SWITCH, WEAVE, WHILE, Element, provide
-from .element import target_text
+from .protocol import target_text
 from .kinds import KindTable
 from .registers import Register
 

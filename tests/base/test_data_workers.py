@@ -254,7 +254,7 @@ def test_ranks_share_each_epoch_each_sample_once(world_size):
        cut=st.integers(0, 30), drop_last=st.booleans())
 def test_a_world_of_another_size_takes_the_rest_of_each_global_batch_once_in_as_many_batches(
         n, batch_size, before, after, cut, drop_last):
-    """What a resume on another number of ranks does (flowvm/distributed/checkpoints.py reshard): the ranks'
+    """What a resume on another number of ranks does (flowvm/distributed/coordinated.py reshard): the ranks'
     Batches at one position, given the new rank and world size, the global batch kept."""
     try:
         old = [Batches(np.arange(n), batch_size=batch_size, seed=2, drop_last=drop_last, rank=r, world_size=before)

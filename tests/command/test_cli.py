@@ -205,20 +205,20 @@ def test_a_signed_checkpoint_is_not_read_or_rewritten_without_its_key(tmp_path):
 
 
 def test_resume_keeps_saving_as_often_as_the_run_was_told(tmp_path, monkeypatch):
-    from flowvm.command import cli, common
+    from flowvm.command import cli, runs
 
     ckpt = tmp_path / "k.ckpt"
     flowvm_cmd("run", "pca", *SMALL_PCA, "--checkpoint", ckpt, "--every", 7, "--max-steps", 10,
                "--progress", "none")
     assert flowvm.read_header(ckpt)["meta"]["every"] == 7
     seen = []
-    real = common.Runner
+    real = runs.Runner
 
     def recording(drv, show, path, every, every_seconds, *rest):
         seen.append((every, every_seconds))
         return real(drv, show, path, every, every_seconds, *rest)
 
-    monkeypatch.setattr(common, "Runner", recording)
+    monkeypatch.setattr(runs, "Runner", recording)
     assert cli.main(["resume", str(ckpt), "--max-steps", "3", "--progress", "none"]) == 0
     assert cli.main(["resume", str(ckpt), "--max-steps", "3", "--every-seconds", "5", "--progress", "none"]) == 0
     assert cli.main(["resume", str(ckpt), "--max-steps", "3", "--progress", "none"]) == 0
@@ -270,7 +270,7 @@ def test_the_registers_summary_gives_scalars_their_value_and_survives_odd_values
     import numpy as np
     import torch
 
-    from flowvm.command.common import registers_summary
+    from flowvm.command.values import registers_summary
 
     text = registers_summary({"loss": torch.tensor(0.25), "acc": np.float64(0.5), "cls": np.ndarray,
                               "x": np.zeros((2, 3), dtype=np.float32)})

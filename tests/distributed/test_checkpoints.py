@@ -12,7 +12,7 @@ import pytest
 
 import flowvm
 from flowvm import CALL, REPEAT, SEQ, Batches, CheckpointError, Registers
-from flowvm.distributed import checkpoints
+from flowvm.distributed import coordinated
 from flowvm.persist import storage
 
 from moto_s3 import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
@@ -42,15 +42,15 @@ def test_a_save_writes_its_parts_then_the_manifest_and_resumes_exactly(tmp_path)
     straight.run()
     drv = program().start()
     drv.run(max_steps=9)
-    manifest = checkpoints.save(drv, tmp_path / "run")
+    manifest = coordinated.save(drv, tmp_path / "run")
     folder = tmp_path / "run" / manifest["folder"]
     assert sorted(p.name for p in folder.iterdir()) == ["rank-00000.json", "shared.ckpt"]
     part = json.loads((folder / "rank-00000.json").read_text())
     assert part["batches"][0]["position"] == 5 and part["steps"] == 9  # plain data
     drv.run(max_steps=4)
-    second = checkpoints.save(drv, tmp_path / "run")
+    second = coordinated.save(drv, tmp_path / "run")
     assert not folder.exists() and (tmp_path / "run" / second["folder"]).is_dir()  # the older save removed
-    again = checkpoints.load(tmp_path / "run")
+    again = coordinated.load(tmp_path / "run")
     again.run()
     assert again.registers["seen"] == straight.registers["seen"]
 
@@ -58,40 +58,40 @@ def test_a_save_writes_its_parts_then_the_manifest_and_resumes_exactly(tmp_path)
 def test_a_save_that_fails_before_its_manifest_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     drv = program().start()
     drv.run(max_steps=5)
-    checkpoints.save(drv, tmp_path / "run")
+    coordinated.save(drv, tmp_path / "run")
     drv.run(max_steps=6)
     real = storage.open_write
 
     def failing(target):
-        if str(target).endswith(checkpoints.MANIFEST):
+        if str(target).endswith(coordinated.MANIFEST):
             raise CheckpointError(target, "cannot save: disk full")
         return real(target)
 
     monkeypatch.setattr(storage, "open_write", failing)
     with pytest.raises(CheckpointError, match="the previous checkpoint is kept"):
-        checkpoints.save(drv, tmp_path / "run")
+        coordinated.save(drv, tmp_path / "run")
     monkeypatch.undo()
     assert len([p for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")]) == 2  # one unnamed
-    assert checkpoints.load(tmp_path / "run").steps == 5
-    saved = checkpoints.save(drv, tmp_path / "run")  # the next complete save removes the half-written one
+    assert coordinated.load(tmp_path / "run").steps == 5
+    saved = coordinated.save(drv, tmp_path / "run")  # the next complete save removes the half-written one
     assert [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")] == [saved["folder"]]
 
 
 def test_a_changed_part_or_a_wrong_key_is_refused(tmp_path):
     drv = program().start()
     drv.run(max_steps=5)
-    manifest = checkpoints.save(drv, tmp_path / "signed", key="k1")
+    manifest = coordinated.save(drv, tmp_path / "signed", key="k1")
     with pytest.raises(CheckpointError, match="is signed"):
-        checkpoints.load(tmp_path / "signed")
+        coordinated.load(tmp_path / "signed")
     with pytest.raises(CheckpointError, match="signature does not match"):
-        checkpoints.load(tmp_path / "signed", key="k2")
-    assert checkpoints.load(tmp_path / "signed", key="k1").steps == 5
+        coordinated.load(tmp_path / "signed", key="k2")
+    assert coordinated.load(tmp_path / "signed", key="k1").steps == 5
     part = tmp_path / "signed" / manifest["folder"] / "rank-00000.json"
     changed = json.loads(part.read_text())
     changed["batches"][0]["position"] = 0
     part.write_text(json.dumps(changed))
     with pytest.raises(CheckpointError, match="checksum differs"):
-        checkpoints.load(tmp_path / "signed", key="k1")
+        coordinated.load(tmp_path / "signed", key="k1")
 
 
 def test_checkpoints_on_s3(s3_bucket):
@@ -100,17 +100,17 @@ def test_checkpoints_on_s3(s3_bucket):
     drv = program().start()
     drv.run(max_steps=7)
     location = f"s3://{s3_bucket}/runs/a"
-    checkpoints.save(drv, location)
+    coordinated.save(drv, location)
     drv.run(max_steps=3)
     import s3fs
 
     fs = s3fs.S3FileSystem()
     fs.pipe_file(f"{s3_bucket}/runs/a/step-00000008-deadbeef/rank-00000.json", b"{}")  # a kill mid-save
-    saved = checkpoints.save(drv, location)
+    saved = coordinated.save(drv, location)
     fs.invalidate_cache()
     assert [p.rsplit("/", 1)[-1] for p in fs.ls(f"{s3_bucket}/runs/a") if "step-" in p] == [saved["folder"]]
-    assert checkpoints.is_checkpoint(location) and not checkpoints.is_checkpoint(f"s3://{s3_bucket}/runs/b")
-    again = checkpoints.load(location)
+    assert coordinated.is_checkpoint(location) and not coordinated.is_checkpoint(f"s3://{s3_bucket}/runs/b")
+    again = coordinated.load(location)
     assert again.steps == 10
     again.run()
     assert again.registers["seen"] == straight.registers["seen"]
@@ -123,8 +123,8 @@ def test_a_driver_resharded_for_one_rank_takes_the_rest_of_the_epoch_once():
               "environment": None} for r, b in enumerate(two)]
     data = Batches(np.arange(23), batch_size=3, seed=4, rank=0, world_size=2)
     drv = CALL(data.next_batch).start()
-    checkpoints.reshard(drv, parts)  # outside a process group: a world of one
-    (found,) = checkpoints.find_batches(drv)
+    coordinated.reshard(drv, parts)  # outside a process group: a world of one
+    (found,) = coordinated.find_batches(drv)
     assert found is data and (found.rank, found.world_size, found.position, found.global_batch) == (0, 1, 2, 6)
     assert len(data) == len(two[0]) == 4  # as many batches an epoch: loops counted by len() stay right
     rest = []

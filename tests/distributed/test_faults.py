@@ -262,7 +262,7 @@ def test_a_rank_stopped_with_sigstop_is_named_hung_not_killed():
     import signal
     from types import SimpleNamespace
 
-    from flowvm.distributed.launching import KIND, culprit, rank_failure
+    from flowvm.distributed.agent import KIND, culprit, rank_failure
 
     def failure(code, message="", kind=None, at=0.0):
         data = {"message": {"extraInfo": {KIND: kind}}} if kind else {}

@@ -397,7 +397,7 @@ def test_pickling_a_step_for_its_key_does_not_search_the_modules_for_its_generat
 def test_a_package_is_kept_as_its_library_alone_only_when_that_is_all_it_needs(tmp_path, extra, device, alone):
     import zipfile
 
-    from flowvm.fused import internals
+    from flowvm.fused import torch_internals
 
     model = "step/data/aotinductor/model/"
     names = {"step/archive_format": b"pt2", "step/byteorder": b"little", "step/.data/version": b"1",
@@ -408,7 +408,7 @@ def test_a_package_is_kept_as_its_library_alone_only_when_that_is_all_it_needs(t
     with zipfile.ZipFile(tmp_path / "step.pt2", "w") as z:
         for name, data in names.items():
             z.writestr(name, data)
-    assert internals.aoti_library(str(tmp_path / "step.pt2"), str(tmp_path / "step.so")) is alone
+    assert torch_internals.aoti_library(str(tmp_path / "step.pt2"), str(tmp_path / "step.so")) is alone
     assert (tmp_path / "step.so").exists() is alone
     if alone:
         assert (tmp_path / "step.so").read_bytes() == b"\x7fELF library"

@@ -13,7 +13,7 @@ import torch
 
 import flowvm
 from flowvm import CALL, REPEAT, SEQ, Registers
-from flowvm.fused import internals
+from flowvm.fused import torch_internals
 from flowvm.fused.reads import Reads, Unchecked, immutable, same, snapshot
 from flowvm.passes.fuse_torch import fuse_torch
 
@@ -106,7 +106,7 @@ def test_a_value_that_can_be_neither_proven_nor_checked_is_refused_by_name(value
 @pytest.mark.parametrize("dynamos_guard", [True, False], ids=["dynamo's guard", "a torch without it"])
 def test_the_torch_settings_a_trace_read_are_checked(change, undo, said, dynamos_guard, monkeypatch):
     if not dynamos_guard:  # the settings read one by one
-        monkeypatch.setattr(internals, "global_state_guard", lambda: None)
+        monkeypatch.setattr(torch_internals, "global_state_guard", lambda: None)
     calls, _ = calls_with(1, 0)
     reads = Reads.capture(calls)
     assert reads.holds()

@@ -6,7 +6,7 @@ import pytest
 
 import flowvm
 from flowvm import CALL, REPEAT, SEQ, SWITCH, WHILE, Depends, FlowError, Registers
-from flowvm.machine.compile import leaf_function
+from flowvm.machine.leafcode import leaf_function
 from flowvm.machine.depends import DependsCALL
 from flowvm.testing import assert_same_run
 

@@ -282,7 +282,7 @@ def test_keyboardinterrupt_or_systemexit_from_a_call_leaves_the_driver_consisten
 
 
 def test_remaining_runs_counts_what_the_repeats_around_a_leaf_have_left():
-    from flowvm.machine.running import remaining_runs
+    from flowvm.machine.live import remaining_runs
 
     seen = []
     reg = Registers()

@@ -287,7 +287,7 @@ def test_a_popen_subclass_runs_as_popen():
 
 
 def _runs_left(log):
-    from flowvm.machine.running import remaining_runs
+    from flowvm.machine.live import remaining_runs
 
     log.append(remaining_runs())
 

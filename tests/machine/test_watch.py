@@ -1,4 +1,4 @@
-"""Driver.watch (flowvm/machine/history.py): a run's history of metrics is part of the run, so every way of
+"""Driver.watch (flowvm/machine/metrics.py): a run's history of metrics is part of the run, so every way of
 driving it and every copy of it gives exactly the uninterrupted run's points."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 import flowvm
 from flowvm import CALL, REPEAT, Registers
-from flowvm.persist import location
+from flowvm.persist import location, storage
 from flowvm.persist.checkpoint import MAGIC
 from flowvm.persist.formats import FORMATS, MAGIC_BYTES, PICKLE, STATE, format_of
 from flowvm.persist.location import Location
@@ -110,27 +110,28 @@ def test_a_run_a_format_cannot_hold_is_refused_by_its_check(tmp_path):
 def test_a_location_is_asked_what_is_in_the_way_of_a_save(tmp_path, suffix):
     # the command asks the place's format what of a file already there must not be replaced silently
     loc = Location.of(tmp_path / f"run{suffix}")
-    assert loc.format is format_of(loc) and loc.format.in_the_way(loc) is None  # nothing there
+    fmt = format_of(loc)
+    assert fmt.in_the_way(loc) is None  # nothing there
     reg = Registers(i=0)
     drv = REPEAT(3, CALL(int, reg("i"), store_to=reg("i"))).start()
     drv.run(max_steps=1)
-    loc.format.save(drv, loc)
-    what, text = loc.format.in_the_way(loc)
+    fmt.save(drv, loc)
+    what, text = fmt.in_the_way(loc)
     assert what == "unfinished" and text.startswith(f"{loc} holds an unfinished run (") and "step 1)" in text
     drv.run()
-    loc.format.save(drv, loc)
-    assert loc.format.in_the_way(loc) is None  # a finished run: nothing lost
+    fmt.save(drv, loc)
+    assert fmt.in_the_way(loc) is None  # a finished run: nothing lost
     loc.path.write_bytes(b"some notes of mine, not a checkpoint\n")
-    what, text = loc.format.in_the_way(loc)
+    what, text = fmt.in_the_way(loc)
     assert what == "foreign" and text.startswith(f"{loc} exists and is not a flowvm ")
     loc.path.write_bytes(b"")
-    assert loc.format.in_the_way(Location.of(tmp_path / "no-such" / f"x{suffix}")) is None
+    assert fmt.in_the_way(Location.of(tmp_path / "no-such" / f"x{suffix}")) is None
 
 
 def test_a_location_says_before_a_save_whether_one_can_go_there(tmp_path):
     with pytest.raises(flowvm.CheckpointError, match="is a directory; give a file name"):
-        Location.of(tmp_path).check_target()
+        storage.check_target(Location.of(tmp_path))
     with pytest.raises(flowvm.CheckpointError, match="no directory"):
-        Location.of(tmp_path / "missing" / "run.ckpt").check_target()
-    Location.of(tmp_path / "run.ckpt").check_target()
-    assert Location.of(tmp_path / "run.ckpt").read_start(4, missing_ok=True) is None
+        storage.check_target(Location.of(tmp_path / "missing" / "run.ckpt"))
+    storage.check_target(Location.of(tmp_path / "run.ckpt"))
+    assert storage.read_start(Location.of(tmp_path / "run.ckpt"), 4, missing_ok=True) is None

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from ..base.errors import FlowError
 from ..pickled import stable
 from ..persist.pickler import Unpickler, pickle_bytes
-from . import checkpoints, group
+from . import coordinated, group
 
 __all__ = ["config", "run_elastic", "RankError", "Finished", "launch", "rank_failure", "record_error"]
 
@@ -258,9 +258,9 @@ def _rank_main(build: Callable, options: dict, location, every, every_seconds, s
 
     group.init(timeout)
     try:
-        resumed = location is not None and checkpoints.is_checkpoint(location)
-        if resumed and not checkpoints.read_manifest(location, key).get("done"):
-            drv = checkpoints.load(location, key)
+        resumed = location is not None and coordinated.is_checkpoint(location)
+        if resumed and not coordinated.read_manifest(location, key).get("done"):
+            drv = coordinated.load(location, key)
         else:
             resumed = False
             drv = build(**options).start()

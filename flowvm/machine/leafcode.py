@@ -12,7 +12,7 @@ import keyword
 
 from typing import Any, Callable
 
-from ..program.element import store_source
+from ..program.protocol import store_source
 from ..program.elements import CALL, PRINT, Element
 from ..program.kinds import KindTable
 from ..program.registers import Register, has_registers, resolve

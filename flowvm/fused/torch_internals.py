@@ -1,5 +1,5 @@
 """Every call of flowvm into torch's internals (dynamo, inductor, AOTAutograd, export, make_fx, torch._C):
-the one place that changes when torch changes them (tests/fused/test_internals.py checks that no other
+the one place that changes when torch changes them (tests/fused/test_torch_internals.py checks that no other
 module of flowvm names them).
 
 What each function returns is flowvm's own (plain values and dataclasses), so the rest of fused/ does not
