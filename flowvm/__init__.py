@@ -44,6 +44,8 @@ from .base.errors import (CheckpointError, CopyError, CommandError, EditError, F
                           WorkerError)
 from .program.registers import Register, Registers
 from .program.verify import verify
+from .program.pylower import ProgramSyntaxError
+from .program.pyfunc import SourceChanged
 from .machine.depends import Depends
 from .editing.edit import ANY
 from .editing import hotpatch as _hotpatch  # noqa: F401  (provides the edits of half-run drivers)
@@ -77,6 +79,6 @@ __all__ = [
     "CopyWarning", "FusionWarning", "SettingsWarning",
     "Batches", "load_data", "DataError", "WorkerError", "rank", "world_size", "rank0",
     "Depends", "ANY", "EditError", "isolate", "template", "to_dot", "to_mermaid",
-    "to_source", "from_source", "SourceError",
+    "to_source", "from_source", "SourceError", "ProgramSyntaxError", "SourceChanged",
     "__version__",
 ]

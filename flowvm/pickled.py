@@ -26,7 +26,7 @@ from typing import Any, Callable
 __all__ = ["rebuild_driver", "load_driver_bytes", "with_grad", "set_lbfgs_state", "global_generator",
            "rebuild_storage", "rebuild_typed_storage",
            "sentinel", "rebuild_error", "make_depends", "Scope", "DependsCALL", "FuseSettings", "ExecutorRef",
-           "open_file_array",
+           "open_file_array", "PyFunction", "PyProgram", "Statement", "restore_source", "Next", "unbound",
            "find_class", "LEGACY_NAMES", "STABLE_MODULES", "stable", "check"]
 
 # (module, name) a pickle names -> (module, name) it is found under now: for names that moved.  The
@@ -85,6 +85,13 @@ _HELPERS = {
     "FuseSettings": "flowvm.fused.element:FuseSettings",
     "ExecutorRef": "flowvm.processes.executors:ExecutorRef",
     "open_file_array": "flowvm.base.dataset:open_file_array",
+    # @flowvm.program: a call's program, its statements, the source they are compiled from again, a loop's step
+    "PyFunction": "flowvm.program.pyfunc:PyFunction",
+    "PyProgram": "flowvm.program.pyfunc:PyProgram",
+    "Statement": "flowvm.program.pyfunc:Statement",
+    "restore_source": "flowvm.program.pyfunc:restore_source",
+    "Next": "flowvm.program.pyfunc:Next",
+    "unbound": "flowvm.program.pylower:unbound",
 }
 
 

@@ -39,9 +39,36 @@ def same(a: Any, b: Any) -> bool:
         return _same_items(a, b)
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and callable(getattr(a, "state_dict", None)):
+        return a is b or same(a.state_dict(), b.state_dict())  # a module, an optimizer: its state, as digest()
     if type(a) is type(b) and _plain_object(a):
         return a is b or same(vars(a), vars(b))  # a plain object (a fitted model): its attributes
+    state = iterator_state(a)
+    if state is not None:  # a loop's iterator (a @flowvm.program's for): what it iterates and where it is
+        return type(a) is type(b) and same(state, iterator_state(b))
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and "__reduce__" in vars(type(a)):
+        return a is b or same(a.__reduce__()[1:], b.__reduce__()[1:])  # a value that says how it is rebuilt
     return type(a) is type(b) and a == b
+
+
+def iterator_state(value: Any) -> tuple | None:
+    """A built-in iterator (a list's, a range's, ...) as plain data: what is left of the sequence it runs over
+    (from its pickle reduction: an exhausted one and one at the end of its list are the same); None for
+    anything else."""
+    kind = type(value)
+    if kind.__module__ != "builtins" or not kind.__name__.endswith("iterator"):
+        return None
+    reduced = value.__reduce__()
+    if len(reduced) < 2 or not isinstance(reduced[1], tuple) or len(reduced[1]) != 1:
+        return (kind.__name__, reduced[1:])
+    seq, pos = reduced[1][0], reduced[2] if len(reduced) > 2 else 0
+    if isinstance(seq, range):  # what is left of it, however the range was written
+        rest = seq[pos:]
+        return ("range", len(rest), rest.start if rest else None, rest.step)
+    try:
+        return (kind.__name__, list(seq[pos:]))  # what is left: an exhausted iterator reduces to an empty list
+    except TypeError:
+        return (kind.__name__, reduced[1:])
 
 
 def _same_items(a: list | tuple | dict, b: Any) -> bool:
@@ -220,6 +247,12 @@ def _feed_container(h, value: Any) -> None:
             _feed(h, key)
             _feed(h, value[key])
         h.update(b"}")
+    elif iterator_state(value) is not None:
+        h.update(f"iterator:{type(value).__name__}:".encode())
+        _feed(h, iterator_state(value))
+    elif "__reduce__" in vars(type(value)) and not isinstance(value, type):  # a value that says how it is rebuilt
+        h.update(f"reduced:{type(value).__qualname__}:".encode())
+        _feed(h, value.__reduce__()[1:])
     elif callable(getattr(value, "state_dict", None)):
         h.update(f"object:{type(value).__qualname__}:state_dict".encode())
         _feed(h, value.state_dict())

@@ -4,7 +4,8 @@
 walk order: a CALL's ``fn`` when it is an object, the ``self`` of a bound method (``"0.1:fn.self"``), the
 objects among its arguments (``"0.1:args.0"``, ``"0.1:kwargs.model"``, inside lists, tuples, dicts,
 ``functools.partial`` and ``Depends``), and mutable data held in the fields of other element kinds (a list
-a custom leaf appends to).  Functions, classes and modules are code (rebuilt by ``build()``); immutable
+a custom leaf appends to).  Functions, classes, modules and objects whose class says ``__flowvm_code__ = True``
+(a ``@flowvm.program`` statement) are code (rebuilt by ``build()``); immutable
 constants (numbers, strings, paths, enums, frozen dataclasses, ...) are the program's constants, which a
 user may change on resume; the global random generators are part of the environment.
 
@@ -90,7 +91,7 @@ def _visit(v: Any, loc: str, strict: bool, kids: set, out: list, depth: int) -> 
         return
     if isinstance(v, (Depends, functools.partial, types.MethodType, types.BuiltinMethodType, types.FunctionType)):
         return _visit_callable(v, loc, strict, kids, out, depth)
-    if isinstance(v, _CODE):
+    if isinstance(v, _CODE) or getattr(type(v), "__flowvm_code__", False):  # (a @flowvm.program's Statement)
         return
     if isinstance(v, tuple) or type(v) in (list, dict) and not _data(v, 0):
         items = v.items() if type(v) is dict else enumerate(v)  # a tuple's items, each; a list's of more than data

@@ -48,6 +48,7 @@ class SourceChanged(CheckpointError):
 
 
 # ------------------------------------------------------------------------------------------ run-time helpers
+@stable("flowvm.pickled")
 class Next:
     """A for loop's step: truthy with the next ``value``, falsy at the end (or when a jump ends the loop)."""
 
@@ -129,13 +130,14 @@ class FunctionSource:
         return [(p.name, p.role, tuple(p.reads), tuple(p.writes)) for p in self.plan.pieces.values()]
 
     def __reduce__(self):
-        return (_restore, (self.module, self.qualname, self.source, self.filename, self.firstlineno, self.free))
+        return (restore_source, (self.module, self.qualname, self.source, self.filename, self.firstlineno, self.free))
 
 
 _SOURCES: dict[tuple, FunctionSource] = {}
 
 
-def _restore(module, qualname, source, filename, firstlineno, free) -> FunctionSource:
+@stable("flowvm.pickled")
+def restore_source(module, qualname, source, filename, firstlineno, free) -> FunctionSource:
     """A pickled FunctionSource in this process: the same object for every statement of one run; refused
     when the function's current source differs (see the module's docstring)."""
     key = (module, qualname, source)
@@ -189,12 +191,13 @@ def _compile(plan, filename: str, globals_: dict) -> dict[str, Callable]:
     return out
 
 
-@stable("flowvm")
+@stable("flowvm.pickled")
 class Statement:
     """The function of one statement (or condition, or loop step) of a ``@flowvm.program`` function: it pickles
     as its source and name, and is compiled again from them in another process."""
 
     __slots__ = ("source", "name", "fn", "__weakref__")
+    __flowvm_code__ = True  # code, not state: a state file leaves it to the program built again (stateobjects.py)
 
     def __init__(self, source: FunctionSource, name: str):
         self.source, self.name = source, name
@@ -222,7 +225,7 @@ class Statement:
 
 
 # -------------------------------------------------------------------------------------------- the decorator
-@stable("flowvm")
+@stable("flowvm.pickled")
 class PyFunction:
     """A function decorated with ``@flowvm.program``: calling it returns a new program, with its own registers,
     for these arguments; ``.function`` is the function itself."""
@@ -259,7 +262,7 @@ def _closure(function: Callable) -> dict:
 PLAIN = (bool, int, float, str, bytes, type(None))
 
 
-@stable("flowvm")
+@stable("flowvm.pickled")
 class PyProgram(SEQ):
     """The program of one call of a ``@flowvm.program`` function: a SEQ (its kind everywhere) that also knows
     the call it came from, so that ``to_source`` writes that call back (``from module import f``, ``program =

@@ -45,10 +45,16 @@ class _Unbound:
         return "<unbound>"
 
     def __reduce__(self):
-        return "UNBOUND"
+        return (unbound, ())
 
 
 UNBOUND = _Unbound()
+
+
+@stable("flowvm.pickled")
+def unbound() -> _Unbound:
+    """UNBOUND, as a saved run names it (flowvm.pickled.unbound)."""
+    return UNBOUND
 
 
 @dataclass
