@@ -36,8 +36,10 @@ fi
 "$venv/bin/pip" install -q --force-reinstall --no-deps "$wheel"  # the wheel just built
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 # test_cross_python.py resumes runs under other Python versions, not other torches: the main suite runs it.
-# FLOWVM_TORCH_TESTS: the test folders (default: core, persist and fused).
-tests=${FLOWVM_TORCH_TESTS:-tests/test_package.py tests/base tests/program tests/machine tests/persist tests/fused}
+# FLOWVM_TORCH_TESTS: the test files (default: those of the core, persist and fused folders that use torch; a
+# file that never names torch runs the same under any torch, and the main suite runs it).
+tests=${FLOWVM_TORCH_TESTS:-$(grep -l torch tests/test_package.py tests/base/test_*.py tests/program/test_*.py \
+    tests/machine/test_*.py tests/persist/test_*.py tests/fused/test_*.py | tr '\n' ' ')}
 # The tests that can share the machine on two workers, then the serial ones (tests/conftest.py) alone, but
 # for the heavy ones (half a minute or more of child compiles each): the pinned torch runs those
 # (scripts/test.sh), and FLOWVM_TORCH_HEAVY=1 runs them here too.

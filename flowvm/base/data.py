@@ -1,20 +1,18 @@
 """A resumable source of minibatches, reshuffled every epoch.
 
-``Batches`` serves minibatches over numpy arrays, torch tensors (one, or a
-tuple or dict of them with the same first dimension) or a map-style dataset
-(anything with ``__len__`` and ``__getitem__``, such as a list of samples
-or a ``torch.utils.data.Dataset``).  Its whole state is three integers:
+``Batches`` serves minibatches over numpy arrays, torch tensors (one, or a tuple or dict of them with the
+same first dimension) or a map-style dataset (anything with ``__len__`` and ``__getitem__``, such as a list of
+samples or a ``torch.utils.data.Dataset``), by ``next_batch()`` or ``for batch in batches:`` (the batches left
+in the epoch, epochs.py).  Its whole state is three integers:
 
 - ``seed``: fixes every epoch's order;
 - ``epoch``: the current epoch (0-based), also the number of epochs finished;
 - ``position``: the batches already taken in the current epoch.
 
-Epoch ``e`` visits the samples in the order ``permutation(seed, e)``, drawn
-from its own generator seeded with ``(seed, e)``: no random state is carried
-from one epoch to the next and no global generator is touched.  So a program
-stopped between two ``next_batch()`` calls, pickled and loaded anywhere,
-serves exactly the batch it would have served next, without re-reading or
-skipping samples, whatever happens to the global random states meanwhile.
+Epoch ``e`` visits the samples in the order ``permutation(seed, e)``, drawn from its own generator seeded
+with ``(seed, e)``: no random state is carried from one epoch to the next and no global generator is touched.
+So a program stopped between two ``next_batch()`` calls, pickled and loaded anywhere, serves exactly the batch
+it would have served next, without re-reading or skipping samples, whatever the global random states do.
 
 The rest is configuration or cache: ``transform(sample, rng)`` draws from a
 generator seeded with ``(seed, epoch, index)`` (batching.py); ``workers=N``
@@ -57,6 +55,7 @@ from .loaders import next_from, restore_loader, restore_with
 from .batching import BatchMaker, inspect_source, sample_rng, stack_items
 from .sources import NpyShards, open_files, rebuild_with
 from .environment import cores
+from .epochs import BatchesEpoch
 from .workers import WorkerError, WorkerPool
 
 __all__ = ["Batches", "WorkerError", "sample_rng", "stack_items"]
@@ -298,9 +297,13 @@ class Batches:
         per = self.per_rank
         return self.order(epoch)[position * per: (position + 1) * per]
 
+    def __iter__(self):
+        """The batches left in this epoch (``for batch in batches:``), by an iterator a copy of the run keeps."""
+        return BatchesEpoch(self)
+
     def next_batch(self) -> Any:
-        """The next minibatch; moves on, rolling over to the next epoch after its last batch.  An error
-        leaves the position where it was."""
+        """The next minibatch; moves on, rolling over to the next epoch after its last batch (an error leaves
+        the position where it was)."""
         if self.workers:
             batch = self._from_workers()
         else:

@@ -205,3 +205,21 @@ def test_bad_options_and_an_iterable_dataset_are_refused_when_built_and_namedtup
     Pair = collections.namedtuple("Pair", "x y")
     batch = Batches([Pair(np.float32(i), i % 2) for i in range(4)], batch_size=4, shuffle=False).next_batch()
     assert type(batch) is Pair and batch.x.tolist() == [0, 1, 2, 3] and batch.y.tolist() == [0, 1, 0, 1]
+
+
+def test_iterating_batches_gives_the_rest_of_the_epoch_and_pickles_with_its_place():
+    import pickle
+
+    import numpy as np
+
+    data = Batches(np.arange(10), batch_size=4, seed=1)
+    want = [data.indices(0, k) for k in range(3)]
+    got = list(data)
+    assert [b.tolist() for b in got] == [w.tolist() for w in want] and (data.epoch, data.position) == (1, 0)
+    it = iter(data)  # epoch 1
+    first = next(it)
+    copy_it, copy_data = pickle.loads(pickle.dumps((it, data)))
+    assert copy_it.batches is copy_data and copy_it.__length_hint__() == 2
+    assert [b.tolist() for b in copy_it] == [b.tolist() for b in it]  # the same rest of epoch 1, then stops
+    assert first.tolist() == data.indices(1, 0).tolist()
+    assert list(it) == [] and (data.epoch, data.position) == (2, 0)

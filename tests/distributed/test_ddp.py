@@ -186,3 +186,15 @@ def test_batches_of_unequal_last_shards_train_on_every_sample_of_every_epoch(tmp
         assert sorted(ids) == list(range(98)), epoch
 
 
+
+
+def test_a_plain_python_loop_trains_on_two_ranks_and_resumes_bit_for_bit(tmp_path):
+    # @flowvm.program under --nproc: the same weights straight and stopped, saved on both ranks and resumed
+    prog = str(Path(__file__).with_name("progs_pyfunc.py"))
+    straight = weights(flowvm("run", prog, "--nproc", "2"))
+    ckpt = tmp_path / "run"
+    first = flowvm("run", prog, "--nproc", "2", "--checkpoint", str(ckpt), "--sync-every", "5", "--max-steps", "60")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert manifest(ckpt)["steps"] == 60 and manifest(ckpt)["world_size"] == 2 and not manifest(ckpt)["done"]
+    assert weights(flowvm("resume", str(ckpt))) == straight
+    assert manifest(ckpt)["done"]

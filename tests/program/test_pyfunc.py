@@ -211,3 +211,67 @@ def test_to_source_writes_the_call_back_and_from_source_rebuilds_it(tmp_path):
     assert from_source(text).run() == module.f.function(7) == 42
     with pytest.raises(SourceError, match="the call of f takes n, which source cannot write"):
         flowvm.to_source(module.f([1, 2]))
+
+
+BATCHES = """
+    import numpy as np
+    import flowvm
+
+    @flowvm.program
+    def total(batches, epochs):
+        sums = []
+        for epoch in range(epochs):
+            for batch in batches:
+                sums.append(float(batch.sum()))
+        return sums
+
+    def data():
+        return np.arange(200, dtype=np.float64).reshape(100, 2)
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_for_over_batches_with_workers_resumes_mid_epoch_as_with_none(tmp_path, workers):
+    module = load(tmp_path, BATCHES)
+
+    def build(w):
+        return module.total(flowvm.Batches(module.data(), batch_size=7, seed=3, workers=w), 2)
+
+    want = module.total.function(flowvm.Batches(module.data(), batch_size=7, seed=3), 2)
+    assert build(workers).run() == want and len(want) == 2 * 15
+    drv = build(workers).start()
+    drv.run(max_steps=40)  # inside the first epoch
+    copy = pickle.loads(pickle.dumps(drv))
+    assert copy.run() == want
+
+
+def test_the_optimizer_runs_it_and_says_why_its_statements_are_not_fused(tmp_path):
+    pytest.importorskip("torch")
+    module = load(tmp_path, """
+        import torch
+        import flowvm
+
+        @flowvm.program
+        def f(n):
+            x = torch.ones(3)
+            for i in range(n):
+                y = torch.relu(x - i)
+                x = x + y
+            return x
+    """)
+    import torch
+
+    fast = flowvm.optimize(module.f(4))
+    assert torch.equal(fast.run(), module.f.function(4))
+    why = flowvm.explain_fusion(module.f(4))
+    assert "y = torch.relu(x - i)" in why and "not a torch call" in why
+
+
+def test_the_listing_puts_the_cursor_on_the_next_statement(tmp_path):
+    module = load(tmp_path, SOURCE.format(k=3))
+    drv = module.f(6).start()
+    drv.run(max_steps=5)
+    marked = [line for line in str(drv).splitlines() if line.startswith(">>")]
+    assert len(marked) == 1
+    texts = [p.text for p in drv.program.elements[0].fn.source.plan.pieces.values()]
+    assert any(t in marked[0] for t in texts), marked
