@@ -55,6 +55,8 @@ from . import launch, outputs
 
 
 def cmd_run(args) -> int:
+    if launch.wanted(args) and args.watch is not None:
+        raise UsageError("--watch watches a run of one process; a data-parallel run (--nproc, --nnodes) has none")
     if launch.wanted(args):  # data-parallel: launch the ranks, or be one (docs/distributed.md)
         return launch.cmd_run(args)
     check_checkpoint_path(args.checkpoint)
@@ -77,6 +79,8 @@ def cmd_run(args) -> int:
 
 def cmd_resume(args) -> int:
     if launch.wanted(args):
+        if args.watch is not None:
+            raise UsageError("--watch watches a run of one process; a data-parallel run's checkpoint has several")
         return launch.cmd_resume(args)
     return RESUME[format_of(args.path).name](args)
 
@@ -166,7 +170,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowvm", description="Run learning algorithms written as flowvm programs.")
     p.add_argument("--version", action="version", version=f"flowvm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_run_parser, _resume_parser, _show_parser, _verify_parser, _sweep_parser, _plot_parser,
+    for add in (_run_parser, _resume_parser, _watch_parser, _show_parser, _verify_parser, _sweep_parser, _plot_parser,
                 _list_parser):
         add(sub)
     return p
@@ -192,6 +196,9 @@ def running(sp) -> None:
                     help="a progress bar on a terminal, plain lines otherwise (auto)")
     sp.add_argument("--progress-every", type=float, default=2.0, metavar="S",
                     help="seconds between plain progress lines (default 2)")
+    sp.add_argument("--watch", metavar="[HOST:]PORT",
+                    help="serve a live page of the run, with its controls, at this address (127.0.0.1 unless a "
+                         "host is given; elsewhere the URL carries a token); needs flowvm[watch]")
     sp.add_argument("--threads", type=int, metavar="N",
                     help="torch intra-op threads (default: what the program declares, else torch's own; "
                          "on resume: what the run was saved with)")
@@ -225,6 +232,21 @@ def _resume_parser(sub) -> None:
     running(resume)
     launch.add_options(resume)
     resume.set_defaults(func=cmd_resume)
+
+
+def cmd_watch(args) -> int:
+    """``flowvm watch CHECKPOINT``: the saved run, paused, in a live page (its controls run, step, fork it)."""
+    args.paused = True
+    return cmd_resume(args)
+
+
+def _watch_parser(sub) -> None:
+    watch = sub.add_parser("watch", help="open a saved run in a live page, paused: run it, step it, fork it")
+    watch.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
+    watch.add_argument("--keep-settings", action="store_true", help="as for resume")
+    running(watch)
+    launch.add_options(watch)
+    watch.set_defaults(func=cmd_watch, program=None, set=[], watch="127.0.0.1:8765")
 
 
 

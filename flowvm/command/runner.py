@@ -103,11 +103,13 @@ class Runner:
     def __init__(self, drv: Driver, show: list[str], ckpt: Path | str | None = None, every: int | None = None,
                  every_seconds: float | None = None, meta: dict | None = None, key: str | None = None,
                  progress: str = "auto", progress_every: float = 2.0, stop: Stop | None = None,
-                 history: list[str] | None = None, tensorboard: str | None = None):
+                 history: list[str] | None = None, tensorboard: str | None = None, watch=None):
         self.drv, self.show, self.ckpt, self.every, self.meta, self.key = drv, show, ckpt, every, meta or {}, key
         self.format = format_of(ckpt) if ckpt is not None else None
         self.history_names = list(show) + list(history or [])
         self.tensorboard = tensorboard
+        self.watch = watch  # a page watching the run (watch.py): asked between two chunks
+        self.signalled = lambda: None  # the signal that stopped the run, while it runs
         self.stop = stop  # the command's, installed since its start; else run() installs its own
         if ckpt is not None and every is None and every_seconds is None:
             every_seconds = DEFAULT_EVERY_SECONDS
@@ -188,8 +190,12 @@ class Runner:
     def run(self, max_steps: int | None = None) -> int:
         """Run until done, max_steps more steps or a signal; return the exit status.  While it runs, it
         holds the checkpoint's lock (flowvm.persist.lock): a second run saving to the same place is refused."""
-        with holding(self.ckpt) if self.ckpt is not None else contextlib.nullcontext():
-            return self._run(max_steps)
+        try:
+            with holding(self.ckpt) if self.ckpt is not None else contextlib.nullcontext():
+                return self._run(max_steps)
+        finally:
+            if self.watch is not None:
+                self.watch.close()
 
     def _run(self, max_steps: int | None) -> int:
         drv = self.drv
@@ -203,8 +209,11 @@ class Runner:
         with contextlib.nullcontext(self.stop) if self.stop is not None else Stop(running=True) as stop, \
                 contextlib.closing(history):
             stop.running = True  # from here a signal stops the run at a step boundary, saved
+            self.signalled = lambda: stop.signal
             try:
                 while not drv.done and stop.signal is None and (limit is None or drv.steps < limit):
+                    if self.watch is not None and not self.watch.between_chunks(self):
+                        break  # stopped from the page
                     self._chunk(limit, history)
                 if self.ckpt is not None:
                     self.exact()  # the last save lands on a step the run resumes from exactly

@@ -85,8 +85,16 @@ def finish(drv: Driver, module: ModuleType | None, ckpt: Path | str | None, sign
 
 
 def runner_for(args, drv: Driver, meta: dict, ckpt: Path | str | None) -> Runner:
+    """The Runner of a command's run, with the page watching it when ``--watch`` asks for one (watch.py; the
+    port is taken, or refused, before the first step)."""
+    watch = None
+    if getattr(args, "watch", None) is not None:
+        from .watch import Watch, parse_address
+
+        watch = Watch(*parse_address(args.watch), paused=getattr(args, "paused", False)).start()
     return Runner(drv, meta.get("show", []), ckpt, args.every, args.every_seconds, meta, key_of(args),
-                args.progress, args.progress_every, getattr(args, "stop", None), args.history, args.tensorboard)
+                  args.progress, args.progress_every, getattr(args, "stop", None), args.history, args.tensorboard,
+                  watch)
 
 
 def start_program(args):

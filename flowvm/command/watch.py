@@ -95,7 +95,8 @@ class Watch:
         self.pages: dict[str, float] = {}  # a page's id -> when it last asked
         self.published = 0.0
         self.rate = (time.monotonic(), 0)
-        self.loop = None
+        self.loop = self.app_runner = None
+        self.inflight = 0  # controls whose answers are not sent yet
         self.thread = threading.Thread(target=self._serve, name="flowvm-watch", daemon=True)
         self.ready = threading.Event()
 
@@ -123,15 +124,25 @@ class Watch:
         app.router.add_get("/api/state", self._state)
         for action in ("pause", "run", "step", "checkpoint", "stop", "fork"):
             app.router.add_post(f"/api/{action}", self._control(action))
-        runner = web.AppRunner(app, access_log=None)
+        runner = self.app_runner = web.AppRunner(app, access_log=None)
         self.loop.run_until_complete(runner.setup())
         self.loop.run_until_complete(web.SockSite(runner, self.sock).start())
         self.ready.set()
         self.loop.run_forever()
 
     def close(self) -> None:
+        """Stop serving, once the answers to the controls already carried out (a stop's) are sent."""
+        deadline = time.monotonic() + 5
+        while self.inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            import asyncio
+
+            async def shut():
+                await self.app_runner.cleanup()  # ends open connections after their responses
+                self.loop.stop()
+
+            asyncio.run_coroutine_threadsafe(shut(), self.loop)
         self.thread.join(5)
         self.sock.close()
 
@@ -185,13 +196,19 @@ class Watch:
                 if not isinstance(body, dict):
                     return web.json_response({"error": "the request's body must be a JSON object"}, status=400)
             req = Request(action, body)
-            self.requests.put(req)
+            self.inflight += 1
             try:
-                answer = await asyncio.wait_for(asyncio.wrap_future(req.done), timeout=120)
-            except asyncio.TimeoutError:
-                return web.json_response({"error": f"{action}: the run did not answer in 120 s"}, status=504)
-            status = 400 if "error" in answer else 200
-            return web.json_response(answer, status=status)
+                self.requests.put(req)
+                try:
+                    answer = await asyncio.wait_for(asyncio.wrap_future(req.done), timeout=120)
+                except asyncio.TimeoutError:
+                    return web.json_response({"error": f"{action}: the run did not answer in 120 s"}, status=504)
+                response = web.json_response(answer, status=400 if "error" in answer else 200)
+                await response.prepare(request)
+                await response.write_eof()
+                return response
+            finally:
+                self.inflight -= 1
 
         return handle
 
@@ -199,15 +216,19 @@ class Watch:
     def watching(self) -> bool:
         return time.monotonic() - self.asked < WATCHED_FOR
 
-    def between_chunks(self, runner) -> None:
-        """Carry out what the page asked, wait while paused, and publish a snapshot when one is due."""
+    def between_chunks(self, runner) -> bool:
+        """Carry out what the page asked, wait while paused, and publish a snapshot when one is due; False
+        when the page stopped the run."""
+        if not self.published:  # the first: what a page opened before the first chunk shows
+            self.publish(runner)
         if not self.requests.empty() or self.paused:
             self._serve_requests(runner)
         if self.watching() and time.monotonic() - self.published >= SNAPSHOT_EVERY:
             self.publish(runner)
+        return not self.stop_asked
 
     def _serve_requests(self, runner) -> None:
-        stop = runner.stop_signal
+        stop = runner.signalled
         while True:
             try:
                 req = self.requests.get(timeout=0.05 if self.paused else 0)
