@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
-for name in core shapes programs edit processes fuse fuse_runs fuse_cache data checkpoint state shipping distributed pyfunc charlm; do
+for name in core shapes programs edit processes fuse fuse_runs fuse_cache data checkpoint state shipping distributed pyfunc charlm watch; do
     echo "== bench/bench_$name.py --quick"
     "$python" "bench/bench_$name.py" --quick
 done

@@ -39,16 +39,25 @@ def same(a: Any, b: Any) -> bool:
         return _same_items(a, b)
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
-    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and callable(getattr(a, "state_dict", None)):
-        return a is b or same(a.state_dict(), b.state_dict())  # a module, an optimizer: its state, as digest()
-    if type(a) is type(b) and _plain_object(a):
-        return a is b or same(vars(a), vars(b))  # a plain object (a fitted model): its attributes
-    state = iterator_state(a)
-    if state is not None:  # a loop's iterator (a @flowvm.program's for): what it iterates and where it is
-        return type(a) is type(b) and same(state, iterator_state(b))
-    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and "__reduce__" in vars(type(a)):
-        return a is b or same(a.__reduce__()[1:], b.__reduce__()[1:])  # a value that says how it is rebuilt
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__:
+        return a is b or _same_object(a, b)
     return type(a) is type(b) and a == b
+
+
+def _same_object(a: Any, b: Any) -> bool:
+    """same(a, b) for two objects of one class without an ``__eq__`` of its own: a module or an optimizer by
+    its state, a plain object by its attributes, a loop's iterator by what is left of it, a value that says
+    how it is rebuilt by that; else by identity."""
+    if callable(getattr(a, "state_dict", None)):
+        return same(a.state_dict(), b.state_dict())
+    if _plain_object(a):
+        return same(vars(a), vars(b))
+    state = iterator_state(a)
+    if state is not None:
+        return same(state, iterator_state(b))
+    if "__reduce__" in vars(type(a)):
+        return same(a.__reduce__()[1:], b.__reduce__()[1:])
+    return False
 
 
 def iterator_state(value: Any) -> tuple | None:

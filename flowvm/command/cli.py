@@ -204,7 +204,6 @@ def running(sp) -> None:
                          "on resume: what the run was saved with)")
 
 
-
 def _run_parser(sub) -> None:
     run = sub.add_parser("run", help="run a program")
     run.add_argument("target", help=TARGET_HELP)
@@ -215,7 +214,6 @@ def _run_parser(sub) -> None:
     running(run)
     launch.add_options(run)
     run.set_defaults(func=cmd_run)
-
 
 
 def _resume_parser(sub) -> None:
@@ -249,7 +247,6 @@ def _watch_parser(sub) -> None:
     watch.set_defaults(func=cmd_watch, program=None, set=[], watch="127.0.0.1:8765")
 
 
-
 def _show_parser(sub) -> None:
     show = sub.add_parser("show", help="print a saved run: program, position, registers")
     show.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
@@ -258,7 +255,6 @@ def _show_parser(sub) -> None:
                       help="pickle checkpoints: load an unsigned file to show its registers (runs code the file "
                            "chooses: only for files from a source you trust)")
     show.set_defaults(func=cmd_show)
-
 
 
 def _verify_parser(sub) -> None:
@@ -272,7 +268,6 @@ def _verify_parser(sub) -> None:
     optimize.add_argument("--explain", action="store_true",
                           help="say for each SEQ why its CALLs were fused into one step, or why not")
     optimize.set_defaults(func=cmd_optimize)
-
 
 
 def _sweep_parser(sub) -> None:
@@ -298,7 +293,6 @@ def _sweep_parser(sub) -> None:
     sweep.set_defaults(func=cmd_sweep)
 
 
-
 def _plot_parser(sub) -> None:
     plot = sub.add_parser("plot", help="draw the history of a saved run's metrics")
     plot.add_argument("path", type=checkpoint_location, help="a checkpoint file or fsspec URL")
@@ -307,7 +301,6 @@ def _plot_parser(sub) -> None:
     plot.add_argument("--log", action="store_true", help="a logarithmic y axis (a loss; values <= 0 are left out)")
     plot.add_argument("--key", help="the key of a signed checkpoint (or $FLOWVM_CHECKPOINT_KEY)")
     plot.set_defaults(func=cmd_plot)
-
 
 
 def _list_parser(sub) -> None:

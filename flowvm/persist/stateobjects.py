@@ -91,7 +91,7 @@ def _visit(v: Any, loc: str, strict: bool, kids: set, out: list, depth: int) -> 
         return
     if isinstance(v, (Depends, functools.partial, types.MethodType, types.BuiltinMethodType, types.FunctionType)):
         return _visit_callable(v, loc, strict, kids, out, depth)
-    if isinstance(v, _CODE) or getattr(type(v), "__flowvm_code__", False):  # (a @flowvm.program's Statement)
+    if _is_code(v):
         return
     if isinstance(v, tuple) or type(v) in (list, dict) and not _data(v, 0):
         items = v.items() if type(v) is dict else enumerate(v)  # a tuple's items, each; a list's of more than data
@@ -100,6 +100,11 @@ def _visit(v: Any, loc: str, strict: bool, kids: set, out: list, depth: int) -> 
         return
     if strict or _stateful(v, False):
         out.append((loc, v))
+
+
+def _is_code(v: Any) -> bool:
+    """Code: rebuilt by build(), never a state (a @flowvm.program's statement says so: ``__flowvm_code__``)."""
+    return isinstance(v, _CODE) or getattr(type(v), "__flowvm_code__", False)
 
 
 def _inert(v: Any) -> bool:
