@@ -25,7 +25,7 @@ INSTALL_TIMEOUT = 600  # seconds for one venv's install
 # What each extra's venv installs besides the wheel: torch pinned as everywhere in this project's tests
 # (scripts/test.sh), so that pip takes the local CPU build.
 PINS = {"torch": ["torch==2.13.0"]}
-TESTED = ("", "torch", "dask", "s3", "plot", "tensorboard")  # "" is the core install, no extra
+TESTED = ("", "torch", "dask", "s3", "plot", "tensorboard", "watch")  # "" is the core install, no extra
 UNTESTED = {"test": "the test suite's own tools: every test runs with them",
             "bench": "the benchmarks' comparison library: CI installs it to run bench/"}
 
@@ -102,6 +102,21 @@ def test_the_core_install_runs_numpy_programs_and_names_the_extra_a_feature_need
     one_line_hint(run_in(venv, "flowvm", "run", "mlp", cwd=tmp_path, check=False), "torch")
     one_line_hint(run_in(venv, "flowvm", *PCA, "--checkpoint", "s3://bucket/run.ckpt", cwd=tmp_path,
                          check=False), "s3")
+    one_line_hint(run_in(venv, "flowvm", *PCA, "--watch", "0", cwd=tmp_path, check=False), "watch")
+
+
+def test_the_watch_extra_serves_the_page_of_a_run(venvs, tmp_path):
+    venv = venvs["watch"].result()
+    script = ("import json, subprocess, sys, urllib.request\n"
+              "p = subprocess.Popen([sys.argv[1], 'run', 'pca', '--set', 'batches=2000', '--watch', '0', "
+              "'--progress', 'none'], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)\n"
+              "url = p.stderr.readline().split('watching at ')[1].strip()\n"
+              "print(json.load(urllib.request.urlopen(url + 'api/state', timeout=30))['header']['program'])\n"
+              "req = urllib.request.Request(url + 'api/stop', data=b'{}', method='POST')\n"
+              "print(json.load(urllib.request.urlopen(req, timeout=60))['paused'])\n"
+              "print(p.wait(timeout=60))\n")
+    done = run_in(venv, "python", "-c", script, str(venv / "bin" / "flowvm"), cwd=tmp_path)
+    assert done.stdout.split() == ["pca", "False", "0"], done.stderr
 
 
 def test_the_tensorboard_extra_writes_scalars_without_torch(venvs, tmp_path):

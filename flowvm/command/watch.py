@@ -84,6 +84,10 @@ class Watch:
     """The page's server and the run's side of it (see the module docstring)."""
 
     def __init__(self, host: str, port: int, paused: bool = False):
+        try:
+            import aiohttp  # noqa: F401
+        except ImportError:
+            raise UsageError("--watch needs the page's server, aiohttp: pip install 'flowvm[watch]'") from None
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.token = None if host in LOOPBACK else secrets.token_urlsafe(16)
