@@ -4,6 +4,8 @@ would change forms at its own time.  It stays eager and says why in runtime().re
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +19,9 @@ from flowvm.fused import FUSED
 def group(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     yield
+    # a DDP module's reducer holds the group: collected while the group lives, not by a later test's garbage
+    # collection (where the group's destructor joined threads that waited on it: the process hung)
+    gc.collect()
     dist.destroy_process_group()
 
 
