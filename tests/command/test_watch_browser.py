@@ -2,7 +2,8 @@
 uses it: the page of a running character model (flowvm/programs/charlm.py, whose loop reads its ``lr``
 register at every iteration) shows the cursor moving and the loss curve growing; pause stops the steps, step
 takes one more, fork with lr=0.01 writes a checkpoint that resumes at that rate, stop saves one that resumes
-exactly (where an uninterrupted run is after as many steps).  With FLOWVM_SCREENSHOT=PATH it also writes a screenshot of the page there (docs/watch.png)."""
+exactly (where an uninterrupted run is after as many steps), and the page, its port closed, says the run does
+not answer.  With FLOWVM_SCREENSHOT=PATH it also writes a screenshot of the page there (docs/watch.png)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,8 @@ def test_a_user_watches_pauses_steps_forks_and_stops_a_run_in_chromium(browser, 
         browser.find_element(By.ID, "stop").click()
         _wait(lambda: "stopped" in text("#message") or w.proc.poll() is not None, what="the stop")
         code, out, err = w.finish()
+        # the run has ended and its port is closed: the page, still open, says so
+        _wait(lambda: "the run does not answer" in text("#message"), what="the page noticing the closed port")
     finally:
         w.kill()
     assert code == 0 and "paused at step" in out, err
