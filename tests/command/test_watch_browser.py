@@ -3,7 +3,8 @@ uses it: the page of a running character model (flowvm/programs/charlm.py, whose
 register at every iteration) shows the cursor moving and the loss curve growing; pause stops the steps, step
 takes one more, fork with lr=0.01 writes a checkpoint that resumes at that rate, stop saves one that resumes
 exactly (where an uninterrupted run is after as many steps), and the page, its port closed, says the run does
-not answer.  With FLOWVM_SCREENSHOT=PATH it also writes a screenshot of the page there (docs/watch.png)."""
+not answer.  The page of a running mlp (whose learning rate lives in its optimizer, not a register) shows its
+cursor and loss curve, pauses, steps and stops to a checkpoint that resumes exactly.  With FLOWVM_SCREENSHOT=PATH it also writes a screenshot of the page there (docs/watch.png)."""
 
 from __future__ import annotations
 
@@ -118,4 +119,39 @@ def test_a_user_watches_pauses_steps_forks_and_stops_a_run_in_chromium(browser, 
     stopped = flowvm.read_header(ckpt)["steps"]
     flowvm_cmd("resume", ckpt, "--max-steps", 200, "--progress", "none")
     flowvm_cmd(*CHARLM, "--checkpoint", tmp_path / "straight.ckpt", "--max-steps", stopped + 200, "--progress", "none")
+    assert not diff(outcome(flowvm.load(tmp_path / "straight.ckpt")), outcome(flowvm.load(ckpt)))
+
+
+def test_the_page_of_a_running_mlp_shows_its_cursor_and_loss_curve_and_its_stop_resumes_exactly(browser, tmp_path):
+    # the bundled mlp: its learning rate lives in its optimizer, not in a register, so the fork with lr=0.01
+    # is the test above's; here the page, pause, step and stop
+    mlp = ["run", "mlp", "--set", "epochs=100000", "--set", "samples=600", "--set", "hidden=16"]
+    ckpt = tmp_path / "mlp.ckpt"
+    w = Watched(*mlp, "--checkpoint", ckpt)
+    try:
+        browser.get(w.url)
+        text = lambda css: browser.execute_script(  # noqa: E731
+            "const e = document.querySelector(arguments[0]); return e ? e.textContent : '';", css)
+        steps = lambda: int(text("#steps") or 0)  # noqa: E731
+        cursors = set()
+        _wait(lambda: cursors.add(text("#listing .cursor")) or len(cursors) >= 2, what="the cursor moving")
+        assert any("train_step" in c or "next_batch" in c for c in cursors), cursors
+        points = lambda: int(browser.execute_script(  # noqa: E731
+            "const e = document.querySelector('.plot[data-name=\"loss\"]'); return e ? e.dataset.points : 0;"))
+        first = _wait(points, what="the loss curve")
+        _wait(lambda: points() > first, what="the loss curve growing")
+        browser.find_element("id", "pause").click()
+        _wait(lambda: text("#state") == "paused", what="paused")
+        held = steps()
+        time.sleep(1.0)
+        assert steps() == held == w.state()["steps"]
+        browser.find_element("id", "step").click()
+        _wait(lambda: steps() == held + 1, what="one more step")
+        browser.find_element("id", "stop").click()
+        code, out, err = w.finish()
+    finally:
+        w.kill()
+    assert code == 0 and f"paused at step {held + 1}" in out, err
+    flowvm_cmd("resume", ckpt, "--max-steps", 300, "--progress", "none")
+    flowvm_cmd(*mlp, "--checkpoint", tmp_path / "straight.ckpt", "--max-steps", held + 301, "--progress", "none")
     assert not diff(outcome(flowvm.load(tmp_path / "straight.ckpt")), outcome(flowvm.load(ckpt)))
