@@ -220,6 +220,10 @@ class Watch:
     def watching(self) -> bool:
         return time.monotonic() - self.asked < WATCHED_FOR
 
+    def _due(self) -> bool:
+        """Whether a snapshot is due: a page watches and the last one is SNAPSHOT_EVERY old."""
+        return self.watching() and time.monotonic() - self.published >= SNAPSHOT_EVERY
+
     def between_chunks(self, runner) -> bool:
         """Carry out what the page asked, wait while paused, and publish a snapshot when one is due; False
         when the page stopped the run."""
@@ -227,7 +231,7 @@ class Watch:
             self.publish(runner)
         if not self.requests.empty() or self.paused:
             self._serve_requests(runner)
-        if self.watching() and time.monotonic() - self.published >= SNAPSHOT_EVERY:
+        if self._due():
             self.publish(runner)
         return not self.stop_asked
 
@@ -239,7 +243,7 @@ class Watch:
             except queue.Empty:
                 if not self.paused or self.stop_asked or stop() is not None or runner.drv.done:
                     return
-                if self.watching() and time.monotonic() - self.published >= SNAPSHOT_EVERY:
+                if self._due():
                     self.publish(runner)
                 continue
             try:
