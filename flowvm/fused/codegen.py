@@ -100,9 +100,11 @@ class Generated:
 
 
 def is_barrier(fn: Any) -> bool:
-    """Whether fn ends the compiled part of a fused step and runs eagerly (backward passes)."""
+    """Whether fn ends the compiled part of a fused step and runs eagerly (backward passes: also a statement
+    ``loss.backward()`` of a ``@flowvm.program`` function, which says so by ``__flowvm_backward__``)."""
     torch = sys.modules.get("torch")
-    return torch is not None and (fn is torch.Tensor.backward or fn is torch.autograd.backward)
+    return torch is not None and (fn is torch.Tensor.backward or fn is torch.autograd.backward
+                                  or getattr(fn, "__flowvm_backward__", False) is True)
 
 
 def _reads_writes(calls) -> tuple[list[str], list[str]]:

@@ -56,7 +56,8 @@ def explain_fusion(program: Element) -> str:
 
 
 def _seq(el: SEQ, path: tuple, where: str) -> list[str]:
-    kinds = [_kind(child) for child in el.elements]
+    memo: dict = {}
+    kinds = [_kind(child, memo) for child in el.elements]
     runs = _runs(kinds)
     fused = sum(1 for a, b in runs if b - a >= 2)
     lines = [f"{where}: {fused} fused step{'s' if fused != 1 else ''} from {len(el.elements)} children"]
@@ -64,25 +65,26 @@ def _seq(el: SEQ, path: tuple, where: str) -> list[str]:
     for i, child in enumerate(el.elements):
         text = _text(child) if is_call(child) else child.kind
         if i in in_run:
-            what = _in_run(path, *in_run[i], kinds[i])
+            what = _in_run(path, *in_run[i], kinds[i], child)
         else:
-            what = _why_not(child, kinds[i], len(el.elements))
+            what = _why_not(child, kinds[i], len(el.elements), memo)
         lines.append(f"  {format_path(path + (i,))} {text}: {what}")
     return lines
 
 
-def _kind(child: Element) -> str:
+def _kind(child: Element, memo: dict) -> str:
     """"torch" (a fusable CALL), "backward" (a backward pass, which joins a run) or "other"."""
-    from ..fused.codegen import is_barrier
-    from ..fused.element import is_fusable
+    from .statements import fusion_kind
 
-    if not is_call(child):
-        return "other"
-    return "torch" if is_fusable(child.fn) else "backward" if is_barrier(child.fn) else "other"
+    return fusion_kind(child, memo)
 
 
-def _in_run(path: tuple, a: int, b: int, kind: str) -> str:
+def _in_run(path: tuple, a: int, b: int, kind: str, child: Element) -> str:
+    from ..program.pyfunc import Statement
+
     if b - a < 2:
+        if isinstance(child.fn, Statement):
+            return "a tensor statement with none beside it to fuse with: it stays a step of its own"
         return "a torch call with no torch call beside it to fuse with: it stays a step of its own"
     joins = " (the backward pass joins the step, eagerly)" if kind == "backward" else ""
     return f"fused: calls {format_path(path + (a,))} to {format_path(path + (b - 1,))} run as one step{joins}"
@@ -114,12 +116,19 @@ def _runs(kinds: list[str]) -> list[tuple[int, int]]:
     return runs
 
 
-def _why_not(child: Element, kind: str, siblings: int) -> str:
+def _why_not(child: Element, kind: str, siblings: int, memo: dict) -> str:
+    from ..program.pyfunc import Statement
+    from .statements import statement_kind
+
     if kind == "backward":
         return "a backward pass with no torch calls before it: it runs eagerly, as a step of its own"
     if not is_call(child):
         return f"a {child.kind}: it ends the run of torch calls before it (its own SEQs are looked at)"
     fn = child.fn
+    if isinstance(fn, Statement):
+        return f"not a tensor statement: {statement_kind(child, memo)[1]}"
+    if isinstance(child.store_to, tuple):
+        return "it stores into several registers (unpacking): it runs eagerly, as a step of its own"
     if getattr(fn, "__flowvm_fusable__", None) is False:  # (flowvm.fused.element's mark)
         return "excluded with flowvm.fusable(fn, False)"
     name = getattr(fn, "__name__", None) or type(fn).__name__

@@ -39,11 +39,11 @@ from typing import Any, Iterable, Mapping
 
 from ..program.elements import CALL, SEQ, Element
 from ..base.errors import FusionWarning
-from ..fused.codegen import is_barrier
 from ..fused.element import _MARK, FORMS, FUSED, FuseSettings, fusable, fused_step, is_fusable
 from ..program.paths import format_path
 from .registry import current_context, register_pass
 from .rewrite import is_call, is_seq, rebuild, rewrite, under_weave
+from .statements import BACKWARD, TORCH, fusion_kind
 
 __all__ = ["FUSED", "FuseSettings", "FusionWarning", "fusable", "is_fusable", "fuse_torch", "fused_step", "set_form"]
 
@@ -78,7 +78,7 @@ def set_form(program: Element, form: str, paths: Iterable[str] | None = None) ->
     return out
 
 
-def _fuse_seq(el: SEQ, path: tuple[int, ...], settings: FuseSettings, ctx) -> Element:
+def _fuse_seq(el: SEQ, path: tuple[int, ...], settings: FuseSettings, ctx, memo: dict) -> Element:
     out: list[Element] = []
     run: list[tuple[int, CALL]] = []
 
@@ -93,9 +93,10 @@ def _fuse_seq(el: SEQ, path: tuple[int, ...], settings: FuseSettings, ctx) -> El
         run.clear()
 
     for i, child in enumerate(el.elements):
-        if is_call(child) and is_fusable(child.fn) and not isinstance(child.store_to, tuple):  # (unpacking: eager)
+        kind = fusion_kind(child, memo)  # (a CALL unpacking into several registers: eager)
+        if kind == TORCH:
             run.append((i, child))
-        elif is_call(child) and run and is_barrier(child.fn):
+        elif kind == BACKWARD and run:
             run.append((i, child))  # a backward pass ends the run, inside it: one resumable step
             flush()
         else:
@@ -121,10 +122,11 @@ def fuse_torch(program: Element, *, backend: Any = "inductor", mode: str | None 
         return program
     ctx = current_context()
     weaves = under_weave(program)
+    memo: dict = {}
 
     def visit(el, path):
         if is_seq(el) and path not in weaves:
-            return _fuse_seq(el, path, settings, ctx)
+            return _fuse_seq(el, path, settings, ctx, memo)
         return el
 
     return rewrite(program, visit)

@@ -22,6 +22,7 @@ new source lowers to the same program shape (then the run goes on with the new c
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib
@@ -207,6 +208,13 @@ class Statement:
         return self.fn(*args)
 
     @property
+    def __flowvm_backward__(self) -> bool:
+        """Whether the statement is a backward pass, ``loss.backward(...)``: fuse-torch joins it to the tensor
+        statements before it and runs it eagerly (flowvm/fused/codegen.py, ``is_barrier``)."""
+        piece = self.source.plan.pieces[self.name]
+        return piece.role == "stmt" and is_backward(piece.body[0])
+
+    @property
     def text(self) -> str:
         """The statement (or condition) as written."""
         return self.source.plan.pieces[self.name].text
@@ -222,6 +230,17 @@ class Statement:
 
     def __reduce__(self):
         return (Statement, (self.source, self.name))
+
+
+def is_backward(node: ast.stmt) -> bool:
+    """Whether node (inside per-statement ``with`` blocks) is ``name.backward(...)``, calling nothing else."""
+    while isinstance(node, ast.With) and len(node.body) == 1:
+        node = node.body[0]
+    if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
+        return False
+    func = node.value.func
+    return (isinstance(func, ast.Attribute) and func.attr == "backward" and isinstance(func.value, ast.Name)
+            and sum(isinstance(sub, ast.Call) for sub in ast.walk(node)) == 1)
 
 
 # -------------------------------------------------------------------------------------------- the decorator

@@ -245,7 +245,7 @@ def test_a_for_over_batches_with_workers_resumes_mid_epoch_as_with_none(tmp_path
     assert copy.run() == want
 
 
-def test_the_optimizer_runs_it_and_says_why_its_statements_are_not_fused(tmp_path):
+def test_the_optimizer_fuses_its_tensor_statements_and_says_why_not_the_others(tmp_path):
     pytest.importorskip("torch")
     module = load(tmp_path, """
         import torch
@@ -254,17 +254,25 @@ def test_the_optimizer_runs_it_and_says_why_its_statements_are_not_fused(tmp_pat
         @flowvm.program
         def f(n):
             x = torch.ones(3)
+            log = []
             for i in range(n):
                 y = torch.relu(x - i)
                 x = x + y
-            return x
+                log.append(float(x.sum()))
+            return x, log
     """)
     import torch
 
-    fast = flowvm.optimize(module.f(4))
-    assert torch.equal(fast.run(), module.f.function(4))
+    fast = flowvm.optimize(module.f(4), options={"fuse-torch": {"form": "eager"}})
+    [(_, step)] = flowvm.fused_steps(fast)
+    assert [c.fn.text for c in step.calls] == ["y = torch.relu(x - i)", "x = x + y"]
+    got, want = fast.run(), module.f.function(4)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
     why = flowvm.explain_fusion(module.f(4))
-    assert "y = torch.relu(x - i)" in why and "not a torch call" in why
+    assert "y = torch.relu(x - i): fused: calls" in why and "x = x + y: fused: calls" in why, why
+    assert "log.append(float(x.sum())): not a tensor statement: it calls log.append: append is a method of " \
+           "builtin values" in why, why
+    assert "x = torch.ones(3): a tensor statement with none beside it" in why, why
 
 
 def test_the_listing_puts_the_cursor_on_the_next_statement(tmp_path):

@@ -48,6 +48,20 @@ def test_the_program_computes_what_the_function_run_as_python_computes():
     assert got["losses"][-1] < got["losses"][0]
 
 
+def test_the_optimizer_fuses_its_forward_pass_and_loss_and_the_eager_form_changes_nothing():
+    prog = flowvm.optimize(charlm.build(text=TEXT, **SMALL), options={"fuse-torch": {"form": "eager"}})
+    steps = flowvm.fused_steps(prog)
+    assert [[c.fn.text for c in step.calls] for _, step in steps] == [
+        ["logits = model(x)", "loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))"]]
+    want = charlm.build(text=TEXT, **SMALL).run()
+    drv = prog.start()
+    drv.run(max_steps=40)
+    assert drv.run_to_copyable() is None
+    got = pickle.loads(pickle.dumps(drv)).run()
+    assert got["losses"] == want["losses"] and got["evals"] == want["evals"]
+    assert same(got["model"].state_dict(), want["model"].state_dict())
+
+
 def test_a_run_cut_at_every_statement_resumes_bit_for_bit():
     straight = charlm.build(text=TEXT, **SMALL).start()
     straight.run()
