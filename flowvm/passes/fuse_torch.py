@@ -12,7 +12,10 @@ one FUSED element, whose one execution is one step.  A ``Tensor.backward``
 (or ``torch.autograd.backward``) CALL right after a run ends it and joins
 it: the calls before it are compiled, the backward pass runs eagerly (through
 the compiled backward graph), and the loss never sits in a register between
-two steps, so every step boundary of a training loop is a resume point.
+two steps, so every step boundary of a training loop is a resume point.  In the program of a
+``@flowvm.program`` function, whose statements are CALLs of functions generated from them, a statement's CALL
+is fusable when the statement is a *tensor statement* (flowvm/passes/statements.py), and ``loss.backward()``
+is a backward pass.
 
 >>> import torch
 >>> from flowvm import CALL, SEQ, Registers

@@ -97,20 +97,29 @@ def _single(piece) -> tuple[ast.stmt | None, str]:
     node = body[0]
     while isinstance(node, ast.With) and len(node.body) == 1 and not any(i.optional_vars for i in node.items):
         node = node.body[0]
-    if isinstance(node, ast.Assign) and (len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name)):
-        return None, "an assignment to something other than one local (unpacking, an item, an attribute)"
-    if isinstance(node, (ast.AugAssign, ast.AnnAssign)) and not isinstance(node.target, ast.Name):
-        return None, "an assignment to an item or an attribute (a write into a value)"
-    if isinstance(node, ast.AnnAssign) and node.value is None:
-        return None, "an annotation without a value"
-    if isinstance(node, ast.Expr) and not isinstance(node.value, ast.Call):
-        return None, "an expression that calls nothing"
-    if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr)):
-        return None, f"a {type(node).__name__} statement, not an assignment or expression"
+    why = _shape(node)
+    if why:
+        return None, why
     for sub in ast.walk(node):
         if isinstance(sub, _UNSUPPORTED):
             return None, f"it holds {_WHY_UNSUPPORTED[type(sub)]}"
     return node, ""
+
+
+def _shape(node: ast.stmt) -> str:
+    """Why node is no assignment of one local nor one expression that calls ("" when it is one)."""
+    if isinstance(node, ast.Assign):
+        one = len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+        return "" if one else "an assignment to something other than one local (unpacking, an item, an attribute)"
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)) and not isinstance(node.target, ast.Name):
+        return "an assignment to an item or an attribute (a write into a value)"
+    if isinstance(node, ast.AnnAssign) and node.value is None:
+        return "an annotation without a value"
+    if isinstance(node, ast.Expr):
+        return "" if isinstance(node.value, ast.Call) else "an expression that calls nothing"
+    if not isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return f"a {type(node).__name__} statement, not an assignment or expression"
+    return ""
 
 
 def _file(call: Any):
@@ -128,30 +137,32 @@ def _stores(source: str, filename: str, firstlineno: int) -> dict[str, list]:
     fn = parse(source, filename, firstlineno)
     out: dict[str, list] = {}
     plain: set[int] = set()
-
-    def add(name, value):
-        out.setdefault(name, []).append(value)
-
     for node in _own_nodes(fn.body):
-        if isinstance(node, ast.Assign):
-            for t in node.targets:
-                if isinstance(t, ast.Name):
-                    add(t.id, node.value)
-                    plain.add(id(t))
-        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-            add(node.target.id, ast.BinOp(ast.Name(node.target.id, ast.Load()), node.op, node.value))
-            plain.add(id(node.target))
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
-            add(node.target.id, node.value)
-            plain.add(id(node.target))
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            add(node.name, None)
-        elif isinstance(node, ast.alias):
-            add((node.asname or node.name).split(".")[0], None)
+        for target, name, value in _bindings(node):
+            out.setdefault(name, []).append(value)
+            if target is not None:
+                plain.add(id(target))
     for node in _own_nodes(fn.body):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and id(node) not in plain:
-            add(node.id, None)
+            out.setdefault(node.id, []).append(None)
     return out
+
+
+def _bindings(node: ast.AST) -> list[tuple[ast.Name | None, str, ast.expr | None]]:
+    """(target, name, value) for each name node binds by a plain assignment (value: what it assigns, the
+    augmented one spelt out) or by a def, class or import (target and value None)."""
+    if isinstance(node, ast.Assign):
+        return [(t, t.id, node.value) for t in node.targets if isinstance(t, ast.Name)]
+    if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+        name = node.target.id
+        return [(node.target, name, ast.BinOp(ast.Name(name, ast.Load()), node.op, node.value))]
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+        return [(node.target, node.target.id, node.value)]
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        return [(None, node.name, None)]
+    if isinstance(node, ast.alias):
+        return [(None, (node.asname or node.name).split(".")[0], None)]
+    return []
 
 
 def _own_nodes(nodes):
