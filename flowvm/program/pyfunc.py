@@ -231,6 +231,26 @@ class Statement:
     def __reduce__(self):
         return (Statement, (self.source, self.name))
 
+    def __flowvm_value_source__(self) -> tuple:
+        """How ``to_source`` writes the statement (in a program edited or optimized, no longer the function's
+        own call): ``statement(f, name)``, f the decorated function, imported from its module."""
+        from ..base.errors import SourceError
+
+        function = _resolve(self.source.module, self.source.qualname)
+        if not isinstance(function, PyFunction):
+            raise SourceError(f"{self.source.module}.{self.source.qualname} is no @flowvm.program function in "
+                              "this process")
+        return statement, (function, self.name)
+
+
+@stable("flowvm.pickled")
+def statement(function: "PyFunction", name: str) -> Statement:
+    """The statement (a generated function's name: ``_stmt_3``) of a ``@flowvm.program`` function, as
+    ``to_source`` writes it."""
+    if not isinstance(function, PyFunction) or name not in function.source.plan.pieces:
+        raise LookupError(f"statement: {name!r} is no statement of {function!r}")
+    return Statement(function.source, name)
+
 
 def is_backward(node: ast.stmt) -> bool:
     """Whether node (inside per-statement ``with`` blocks) is ``name.backward(...)``, calling nothing else."""

@@ -47,6 +47,9 @@ class _Unbound:
     def __reduce__(self):
         return (unbound, ())
 
+    def __flowvm_value_source__(self) -> tuple:  # to_source writes it flowvm.pickled.unbound()
+        return unbound, ()
+
 
 UNBOUND = _Unbound()
 

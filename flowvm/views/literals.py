@@ -139,7 +139,8 @@ def _kinds() -> list[tuple[Callable[[Any], bool], Callable[[Any, Any], str]]]:
                     lambda w, v: f"numpy.{type(v).__name__}({w.value(v.item())})"))
     if torch is not None:
         out.append((lambda v: isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_complex(), _tensor))
-    out.append((lambda v: callable(v) or isinstance(v, types.ModuleType), lambda w, v: w.ref(v)))
+    out.append((lambda v: callable(v) or isinstance(v, types.ModuleType) or hasattr(type(v), "__flowvm_value_source__"),
+                lambda w, v: w.ref(v)))  # (ref writes a value that says how: __flowvm_value_source__)
     return out
 
 

@@ -84,6 +84,10 @@ class _Writer:
         """An expression naming an importable object."""
         if id(obj) in self.by_id:
             return self.by_id[id(obj)]
+        hook = getattr(type(obj), "__flowvm_value_source__", None)
+        if hook is not None:  # (function, args): written as function(*args) (a @flowvm.program's statement)
+            fn, args = hook(obj)
+            return self.call(self.ref(fn), [self.value(a) for a in args])
         found = import_of(obj)
         if found is None:
             owner = getattr(obj, "__self__", None)

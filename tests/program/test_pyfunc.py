@@ -283,3 +283,29 @@ def test_the_listing_puts_the_cursor_on_the_next_statement(tmp_path):
     assert len(marked) == 1
     texts = [p.text for p in drv.program.elements[0].fn.source.plan.pieces.values()]
     assert any(t in marked[0] for t in texts), marked
+
+
+def test_an_optimized_program_is_written_statement_by_statement_and_read_back(tmp_path):
+    pytest.importorskip("torch")
+    module = load(tmp_path, """
+        import torch
+        import flowvm
+
+        @flowvm.program
+        def f(n):
+            x = torch.ones(3)
+            for i in range(n):
+                y = torch.relu(x - i)
+                x = x * 0.5 + y
+            return x
+    """)
+    import torch
+
+    fast = flowvm.optimize(module.f(4), options={"fuse-torch": {"form": "eager"}})
+    text = flowvm.to_source(fast)
+    assert "fused_step(" in text and "statement(f, '_stmt_" in text and "'x': unbound()" in text, text
+    back = flowvm.from_source(text)
+    assert str(back) == str(fast)
+    assert torch.equal(back.run(), module.f.function(4))
+    with pytest.raises(LookupError, match="'_stmt_99' is no statement of"):
+        flowvm.pickled.statement(module.f, "_stmt_99")
