@@ -18,9 +18,9 @@ from .runtime import Runtime
 FORMS = ("auto", "compiled", "eager")
 
 # torch callables that cannot be traced into a graph, or only make sense run eagerly
-_NEVER_TENSOR = {"backward", "item", "tolist", "numpy", "register_hook", "data_ptr", "storage",
-                 "untyped_storage", "share_memory_", "__repr__", "__str__", "__format__", "__reduce_ex__",
-                 "__setstate__", "__getstate__", "retain_grad", "pin_memory"}
+NEVER_TENSOR = {"backward", "item", "tolist", "numpy", "register_hook", "data_ptr", "storage",  # (statements.py too)
+                "untyped_storage", "share_memory_", "__repr__", "__str__", "__format__", "__reduce_ex__",
+                "__setstate__", "__getstate__", "retain_grad", "pin_memory"}
 _NEVER_TORCH = {"manual_seed", "seed", "initial_seed", "set_rng_state", "get_rng_state", "save", "load",
                 "compile", "set_grad_enabled", "no_grad", "enable_grad", "inference_mode", "set_default_dtype",
                 "use_deterministic_algorithms", "set_num_threads", "set_printoptions", "is_grad_enabled"}
@@ -74,7 +74,7 @@ def is_fusable(fn: Any) -> bool:
         return False
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, torch.Tensor) or getattr(torch.Tensor, name, None) is fn:
-        return name not in _NEVER_TENSOR
+        return name not in NEVER_TENSOR
     if name in _NEVER_TORCH:
         return False
     for ns in (torch, torch.nn.functional, torch.linalg, torch.special, torch.fft):

@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..fused.element import _NEVER_TENSOR, is_fusable
+from ..fused.element import NEVER_TENSOR, is_fusable
 from ..program.pyfunc import Statement
 from ..program.pylower import UNBOUND
 from ..program.pyplan import parse
@@ -266,7 +266,7 @@ class Types:
             return found and is_fusable(value), ".".join(chain)
         if isinstance(func, ast.Attribute):
             torch = sys.modules["torch"]
-            tensor_method = (callable(getattr(torch.Tensor, func.attr, None)) and func.attr not in _NEVER_TENSOR
+            tensor_method = (callable(getattr(torch.Tensor, func.attr, None)) and func.attr not in NEVER_TENSOR
                              and func.attr not in _BUILTIN_METHODS)
             return tensor_method, f"{_short(func.value)}.{func.attr}"
         return False, _short(func)
@@ -318,7 +318,7 @@ def _why_not_torch(name: str, call: ast.Call, types_: Types) -> str:
     if found:
         return f"it calls {name}, which fuse-torch does not fuse (no torch function, module or Tensor method)"
     if isinstance(func, ast.Attribute):
-        if func.attr in _NEVER_TENSOR:
+        if func.attr in NEVER_TENSOR:
             return f"it calls {name}, which leaves torch's graph"
         if func.attr in _BUILTIN_METHODS:
             return f"it calls {name}: {func.attr} is a method of builtin values (a list's, a dict's, ...)"

@@ -75,6 +75,8 @@ RESUME = textwrap.dedent("""
     except Exception as err:
         print(repr(("raised", type(err).__name__, err.args)))
     print(repr(drv.registers["log"]))
+    import flowvm
+    print(len(flowvm.fused_steps(drv.program)))
 """)
 
 
@@ -91,7 +93,7 @@ def test_a_half_run_resumes_in_a_process_that_never_ran_the_function(tmp_path_fa
     done = subprocess.run([sys.executable, "-c", RESUME, str(folder), str(folder / "half.pkl")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    value, log = done.stdout.strip().splitlines()
+    value, log, _ = done.stdout.strip().splitlines()
     assert value == repr(want) and log == repr(plain_log), source
 
 
@@ -153,20 +155,6 @@ def test_a_random_tensor_function_optimized_runs_and_resumes_as_python_does(tmp_
     assert copy.registers["log"] == plain_log, source
 
 
-RESUME_TENSORS = textwrap.dedent("""
-    import pickle, sys
-    sys.path.insert(0, sys.argv[1])
-    drv = pickle.loads(open(sys.argv[2], "rb").read())
-    try:
-        print(repr(("value", drv.run())))
-    except Exception as err:
-        print(repr(("raised", type(err).__name__, err.args)))
-    print(repr(drv.registers["log"]))
-    import flowvm
-    print(len(flowvm.fused_steps(drv.program)))
-""")
-
-
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(source=tensor_function(), which=st.sampled_from(ARGS))
 def test_a_half_run_optimized_program_resumes_in_a_process_that_never_ran_the_function(tmp_path_factory, source,
@@ -177,10 +165,13 @@ def test_a_half_run_optimized_program_resumes_in_a_process_that_never_ran_the_fu
     want = outcome(lambda: module.f.function(*which, plain_log, *tensors()))
     fast = flowvm.optimize(module.f(*which, [], *tensors()), options={"fuse-torch": {"form": "eager"}})
     drv = fast.start()
-    drv.run(max_steps=5)
+    done = outcome(lambda: drv.run(max_steps=5))
+    if done[0] == "raised":  # an error before the cut
+        assert done == want, source
+        return
     assert drv.run_to_copyable() is None
     (folder / "half.pkl").write_bytes(pickle.dumps(drv))
-    done = subprocess.run([sys.executable, "-c", RESUME_TENSORS, str(folder), str(folder / "half.pkl")],
+    done = subprocess.run([sys.executable, "-c", RESUME, str(folder), str(folder / "half.pkl")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     value, log, fused = done.stdout.strip().splitlines()
