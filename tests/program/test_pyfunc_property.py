@@ -1,8 +1,8 @@
 """@flowvm.program, proven by search: random functions of the supported statements (tests/program/pyfuncs.py)
 run as plain Python and as programs, and the programs cut at a random step, pickled and resumed, end with the
 same value, the same mutations of their arguments and the same exception (type and arguments).  A few are
-resumed in fresh processes that never ran the function.  Random functions with tensor statements are also
-optimized (fuse-torch fuses runs of them) and must still give the same, bit for bit, straight and resumed."""
+resumed in fresh processes that never ran the function (test_pyfunc_tensors.py: the same with tensors, the
+programs optimized)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,12 @@ import subprocess
 import sys
 import textwrap
 
-import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flowvm
 
-from pyfuncs import function, tensor_function
+from pyfuncs import function
 
 _COUNT = itertools.count()
 
@@ -116,64 +115,3 @@ def test_the_program_prints_the_functions_statements(tmp_path):
         assert line in text, text
     assert module.f(5).run() == module.f.function(5) == 6
     assert isinstance(module.f(5), flowvm.SEQ)
-
-
-def tensors():
-    gen = torch.Generator().manual_seed(0)
-    t, u = torch.randn(4, 3, generator=gen), torch.randn(3, generator=gen)
-    m = torch.eye(3) * 0.9 + 0.1 * torch.randn(3, 3, generator=gen)
-    return t, u, m, torch.randn(3, generator=gen).requires_grad_()
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(source=tensor_function(), which=st.sampled_from(ARGS), cut=st.floats(0, 1))
-def test_a_random_tensor_function_optimized_runs_and_resumes_as_python_does(tmp_path_factory, source, which, cut):
-    """The optimizer fuses runs of tensor statements (eager form: the same statement functions, in order): the
-    optimized program gives Python's values bit for bit, and resumes so from a copy taken at any step where a
-    copy may be taken (a run between a loss and its backward steps on to one)."""
-    module = load(tmp_path_factory.mktemp("pyft"), source)
-    plain_log: list = []
-    want = outcome(lambda: module.f.function(*which, plain_log, *tensors()))
-    eager = {"fuse-torch": {"form": "eager"}}
-
-    def optimized(log):
-        return flowvm.optimize(module.f(*which, log, *tensors()), options=eager)
-
-    log: list = []
-    drv = optimized(log).start()
-    assert outcome(drv.run) == want, source
-    assert drv.registers["log"] == plain_log, source
-    event(f"fused steps: {min(len(flowvm.fused_steps(drv.program)), 3)}")
-    first = optimized([]).start()
-    done = outcome(lambda: first.run(max_steps=int(cut * drv.steps)))
-    if done[0] == "raised":  # the cut came after the error
-        assert done == want, source
-        return
-    assert outcome(first.run_to_copyable) == ("value", None), source
-    copy = pickle.loads(pickle.dumps(first))
-    assert outcome(copy.run) == want, f"cut at step {first.steps} of {drv.steps}\n{source}"
-    assert copy.registers["log"] == plain_log, source
-
-
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(source=tensor_function(), which=st.sampled_from(ARGS))
-def test_a_half_run_optimized_program_resumes_in_a_process_that_never_ran_the_function(tmp_path_factory, source,
-                                                                                      which):
-    folder = tmp_path_factory.mktemp("pyft")
-    module = load(folder, source)
-    plain_log: list = []
-    want = outcome(lambda: module.f.function(*which, plain_log, *tensors()))
-    fast = flowvm.optimize(module.f(*which, [], *tensors()), options={"fuse-torch": {"form": "eager"}})
-    drv = fast.start()
-    done = outcome(lambda: drv.run(max_steps=5))
-    if done[0] == "raised":  # an error before the cut
-        assert done == want, source
-        return
-    assert drv.run_to_copyable() is None
-    (folder / "half.pkl").write_bytes(pickle.dumps(drv))
-    done = subprocess.run([sys.executable, "-c", RESUME, str(folder), str(folder / "half.pkl")],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    value, log, fused = done.stdout.strip().splitlines()
-    assert value == repr(want) and log == repr(plain_log), source
-    assert int(fused) == len(flowvm.fused_steps(fast)), source
