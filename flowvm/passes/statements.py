@@ -30,11 +30,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..fused.codegen import is_barrier
 from ..fused.element import NEVER_TENSOR, is_fusable
 from ..program.pyfunc import Statement
-from ..program.pylower import UNBOUND
+from ..program.pylower import PER_STATEMENT_CONTEXTS, UNBOUND, context_name
 from ..program.pyplan import parse
 from ..program.registers import Register, iter_registers
+from .rewrite import is_call
 
 TORCH, BACKWARD, OTHER = "torch", "backward", "other"
 # methods of builtin values: ``s.add(1)`` may be a set's, so a method by one of these names is not a torch call
@@ -54,9 +56,6 @@ _WHY_UNSUPPORTED = {ast.Lambda: "a lambda", ast.ListComp: "a comprehension", ast
 def fusion_kind(child: Any, memo: dict | None = None) -> str:
     """TORCH (fuse-torch puts it in a run), BACKWARD (it ends a run, inside it) or OTHER, for a child of a SEQ.
     memo (a dict kept for one pass over a program) keeps what was learnt of each function's locals."""
-    from ..fused.codegen import is_barrier
-    from .rewrite import is_call
-
     if not is_call(child):
         return OTHER
     if isinstance(child.fn, Statement):
@@ -95,8 +94,9 @@ def _single(piece) -> tuple[ast.stmt | None, str]:
     if len(body) != 1:
         return None, "not one assignment or expression"
     node = body[0]
-    while isinstance(node, ast.With) and len(node.body) == 1 and not any(i.optional_vars for i in node.items):
-        node = node.body[0]
+    while isinstance(node, ast.With) and len(node.body) == 1 and all(
+            not i.optional_vars and context_name(i.context_expr) in PER_STATEMENT_CONTEXTS for i in node.items):
+        node = node.body[0]  # torch.no_grad() and the like (pylower.py): dynamo traces them
     why = _shape(node)
     if why:
         return None, why
