@@ -79,6 +79,16 @@ RESUME = textwrap.dedent("""
 """)
 
 
+def resume_elsewhere(folder, drv) -> list[str]:
+    """The lines RESUME prints for drv, pickled into folder and resumed in a fresh process: its outcome, its
+    log, its number of fused steps."""
+    (folder / "half.pkl").write_bytes(pickle.dumps(drv))
+    done = subprocess.run([sys.executable, "-c", RESUME, str(folder), str(folder / "half.pkl")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(source=function(), which=st.sampled_from(ARGS))
 def test_a_half_run_resumes_in_a_process_that_never_ran_the_function(tmp_path_factory, source, which):
@@ -88,11 +98,7 @@ def test_a_half_run_resumes_in_a_process_that_never_ran_the_function(tmp_path_fa
     want = outcome(lambda: module.f.function(*which, plain_log))
     drv = module.f(*which, []).start()
     drv.run(max_steps=3)
-    (folder / "half.pkl").write_bytes(pickle.dumps(drv))
-    done = subprocess.run([sys.executable, "-c", RESUME, str(folder), str(folder / "half.pkl")],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    value, log, _ = done.stdout.strip().splitlines()
+    value, log, _ = resume_elsewhere(folder, drv)
     assert value == repr(want) and log == repr(plain_log), source
 
 

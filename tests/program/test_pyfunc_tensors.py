@@ -6,8 +6,6 @@ straight and from a copy cut at a random step, in this process and in a fresh on
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
 
 import torch
 from hypothesis import HealthCheck, event, given, settings
@@ -16,7 +14,7 @@ from hypothesis import strategies as st
 import flowvm
 
 from pyfuncs import tensor_function
-from test_pyfunc_property import ARGS, RESUME, load, outcome
+from test_pyfunc_property import ARGS, load, outcome, resume_elsewhere
 
 
 def tensors():
@@ -71,10 +69,6 @@ def test_a_half_run_optimized_program_resumes_in_a_process_that_never_ran_the_fu
         assert done == want, source
         return
     assert drv.run_to_copyable() is None
-    (folder / "half.pkl").write_bytes(pickle.dumps(drv))
-    done = subprocess.run([sys.executable, "-c", RESUME, str(folder), str(folder / "half.pkl")],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    value, log, fused = done.stdout.strip().splitlines()
+    value, log, fused = resume_elsewhere(folder, drv)
     assert value == repr(want) and log == repr(plain_log), source
     assert int(fused) == len(flowvm.fused_steps(fast)), source
